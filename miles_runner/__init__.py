@@ -1,0 +1,1 @@
+"""miles-runner: declarative RL post-training of LoRA adapters with SGLang rollouts."""

@@ -1,0 +1,1 @@
+"""Typed configuration: schema, loader, Hydra composition and provenance."""

@@ -1,0 +1,130 @@
+"""Hydra composition -> a typed, validated MilesConfig plus where each value came from.
+
+Composition uses Hydra's compose API, so group options, `+recipe=NAME` and overrides behave exactly as under
+`@hydra.main` (which the multirun path uses). Hydra's own errors are translated into PlanError problems that
+name the key and suggest the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass
+from miles_runner.config.provenance import COMMAND_LINE, Provenance, build_provenance, flatten
+from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
+from miles_runner.errors import PlanError, Problem
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+BASE_NAME = "miles_base"
+
+
+@dataclass(frozen=True)
+class ComposedConfig:
+    config: MilesConfig
+    provenance: Provenance
+    overrides: list[str]
+    recipe: str | None
+
+
+def config_groups() -> set[str]:
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@cache
+def register_base() -> None:
+    """Put the schema defaults into Hydra's ConfigStore as `miles_base` (a plain, untyped node)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=BASE_NAME, node=defaults_tree())
+
+
+def compose(overrides: list[str]) -> ComposedConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_base()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    except HydraException as exc:
+        raise PlanError([composition_problem(str(exc))]) from None
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
+    return from_composed(job_tree(cfg), choices, overrides)
+
+
+def job_tree(cfg: Any) -> dict[str, Any]:
+    """The composed config as plain data, without Hydra's own node."""
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        cfg = cfg.copy()
+        cfg.pop("hydra", None)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def from_composed(tree: dict[str, Any], choices: dict[str, str], overrides: list[str]) -> ComposedConfig:
+    """Validate a composed tree (from compose() or from a @hydra.main job) against the schema."""
+    provenance = build_provenance(CONF_DIR, choices, overrides, config_groups())
+    try:
+        config = load_dataclass(MilesConfig, tree, CHOICES)
+    except SchemaError as exc:
+        raise PlanError([schema_problem(issue, provenance) for issue in exc.issues]) from None
+    return ComposedConfig(config, provenance, list(overrides), choices.get("recipe"))
+
+
+def schema_problem(issue: Any, provenance: Provenance) -> Problem:
+    base_path = re.sub(r"\[\d+\].*$", "", issue.path)
+    origin = provenance.origin(base_path)
+    rule = "unknown-key" if issue.message == "unknown key" else "invalid-value"
+    fix = ""
+    if issue.hint.startswith("did you mean '"):
+        parent = issue.path.rpartition(".")[0]
+        suggestion = issue.hint.split("'")[1]
+        fix = f"rename it to {parent + '.' if parent else ''}{suggestion}"
+    reason = f"{issue.message}; {issue.hint}" if issue.hint else issue.message
+    return Problem(rule, [(issue.path, str(origin))], reason.rstrip(), fix)
+
+
+_OVERRIDE_RE = re.compile(r"Could not override '([^']+)'")
+_MISSING_RE = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+_MISSING_RECIPE_HINT = "miles-run --recipes lists them"
+
+
+def composition_problem(message: str) -> Problem:
+    """Turn Hydra's composition error into a Problem with a did-you-mean."""
+    if match := _OVERRIDE_RE.search(message):
+        key = match.group(1)
+        known = list(flatten(defaults_tree())) + sorted(config_groups())
+        hint = did_you_mean(key, known)
+        return Problem(
+            "unknown-key",
+            [(key, COMMAND_LINE)],
+            f"no such key or config group. {hint}".strip(),
+            f"use {hint.split(chr(39))[1]}=..." if hint else "miles-run --help lists the groups",
+        )
+    if match := _MISSING_RE.search(message):
+        group, option = match.groups()
+        if group == "recipe":
+            options = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        elif (CONF_DIR / group).is_dir():
+            options = group_options(group)
+        else:
+            options = []
+        hint = did_you_mean(option, options) or "options: " + ", ".join(options)
+        fix = f"{group}={hint.split(chr(39))[1]}" if hint.startswith("did") else ""
+        if group == "recipe":
+            fix = f"+recipe={fix.partition('=')[2]}" if fix else _MISSING_RECIPE_HINT
+        return Problem("unknown-option", [(f"{group}={option}", COMMAND_LINE)], f"no such option; {hint}", fix)
+    first_line = message.strip().splitlines()[0] if message.strip() else "composition failed"
+    return Problem("config-composition", [], first_line, "")

@@ -1,0 +1,299 @@
+"""The typed configuration tree: one frozen dataclass per section.
+
+Field defaults here are the single source of truth for default values: the Hydra base config is generated
+from them (`defaults_tree`), and group options, recipes and the command line only override. Field names follow
+the miles flags they stand for (see reference/miles-spec.md §1.1), with the `--` and section prefix dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Allowed values of the enum-like string fields, keyed by their full path. Checked by the loader, so a typo
+# in `session.version=v3` is reported like a type error, with the valid choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "topology.kind": ("colocated", "disaggregated"),
+    "lora.mode": ("none", "bridge", "raw", "peft"),
+    "adapters.kind": ("none", "single", "multi"),
+    "adapters.lora_type": ("lora", "canonical_lora"),
+    "trainer.backend": ("fsdp", "megatron"),
+    "trainer.parallel.qkv_format": ("thd", "bshd"),
+    "trainer.offload_target": ("cpu", "disk"),
+    "optimizer.name": ("adam", "muon", "sgd"),
+    "engine.kind": ("embedded", "sglang"),
+    "router.kind": ("none", "sglang"),
+    "router.policy": ("auto", "round_robin", "random", "cache_aware", "consistent_hashing", "manual"),
+    "session.version": ("off", "v1", "v2"),
+    "session.tito_model": ("default", "glm47", "qwen3", "qwen25"),
+    "session.message_matcher": ("strict", "loose_tool_call", "role_content_only"),
+    "executor.kind": ("local", "ray"),
+    "weight_sync.pause_generation_mode": ("abort", "in_place", "retract"),
+    "weight_sync.transfer_mode": ("broadcast", "p2p", "disk-delta"),
+    "algorithm.advantage_estimator": ("grpo", "ppo", "reinforce_plus_plus"),
+    "rollout.driver": ("sync", "async"),
+    "logger.wandb_mode": ("offline", "online", "disabled"),
+    "logger.progress": ("auto", "rich", "plain"),
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "custom"
+    seed: int = 1234
+    output_root: str = "outputs"
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What the job is allowed to use. On a cpu-only cluster a "GPU" slot is one CPU worker process."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_type: str = "none"
+    gpu_memory_gb: float = 0.0
+    cpu_only: bool = True
+    cpu_slots_per_node: int = 2
+    memory_gb_per_node: float = 24.0
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    kind: str = "colocated"
+    actor_num_nodes: int = 0  # 0: every node of the cluster
+    actor_num_gpus_per_node: int = 0  # 0: every slot of the node
+    rollout_num_gpus: int = 0  # disaggregated; 0: every slot the trainer does not use
+    offload_train: bool | None = None  # None: derived (on when colocated)
+    offload_rollout: bool | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny-moe"
+    path: str = "tiny:tiny-moe"  # "tiny:NAME" is built locally on first use; else an HF checkpoint folder
+    family: str = "qwen3_moe"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 512
+    num_experts: int = 4  # 0 for a dense model
+    moe_topk: int = 2
+    params_b: float = 0.0003  # total parameters, billions
+    active_params_b: float = 0.0002
+    kv_lora_rank: int = 0  # > 0: MLA attention (adds kv_a_proj_with_mqa, kv_b_proj to all-linear)
+    q_lora_rank: int = 0  # > 0 with MLA: adds q_a_proj, q_b_proj
+    has_dsa_indexer: bool = False
+    native_lora: bool = False  # the model ships a native (raw) LoRA implementation
+    max_context_len: int = 2048
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    micro_batch_size: int = 1
+    qkv_format: str = "thd"
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    backend: str = "fsdp"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload_target: str = "cpu"
+    calculate_per_token_loss: bool = False
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int = 4096
+    stream_optimizer_state_to_disk: bool = False
+    rematerialize_param_from_master_weight: bool = False
+    keep_old_actor: bool = False
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    mode: str = "peft"
+
+
+@dataclass(frozen=True)
+class AdapterRun:
+    """One adapter of a multi-LoRA run (spec §4.1). Unset values fall back to the `adapters.*` defaults."""
+
+    name: str = ""
+    task: str = "arith"
+    reward: str = "exact_match"
+    rank: int | None = None
+    alpha: float | None = None
+    target_modules: list[str] = field(default_factory=list)
+    lr: float | None = None
+    rollout_batch_size: int | None = None
+    n_samples_per_prompt: int | None = None
+    num_step: int | None = None
+    num_epoch: int | None = None
+    data: str = ""
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    kind: str = "single"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    lora_type: str = "lora"
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    exclude_modules: list[str] = field(default_factory=list)
+    train_only: bool = False  # train the adapter but roll out with the base model
+    base_cpu_backup: bool = False
+    experts_shared_outer: bool = False
+    path: str = ""  # start from an existing adapter
+    runs: list[AdapterRun] = field(default_factory=list)
+    max_slots: int = 0  # multi-LoRA slots on the engines; 0: one per configured run
+    api_port: int = 8068
+    idle_poll_s: float = 5.0
+    service_mode: bool = False
+    max_coalesce_wait_s: float = 0.5
+    max_empty_wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: str = "embedded"
+    tp_size: int = 1  # rollout_num_gpus_per_engine
+    ep_size: int = 1
+    dp_attention: bool = False
+    base_port: int = 30010
+    mem_fraction_static: float = 0.8
+    lora_backend: str = "triton"
+    max_lora_rank: int = 0  # 0: the largest adapter rank
+    enable_cuda_graph: bool = True
+    fp8_rollout: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    embedded_max_params_b: float = 1.0  # the CPU engine holds fp32 weights: ~4 GB per billion
+    startup_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    kind: str = "none"
+    policy: str = "auto"  # auto: manual with sessions (sticky by routing key), else round_robin
+    port: int = 30000
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    version: str = "off"
+    host: str = "127.0.0.1"
+    port: int = 30001
+    tito_model: str = "default"
+    message_matcher: str = "strict"
+    max_trim_tokens: int = 1
+    upstream_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    task: str = "arith"
+    reward: str = "exact_match"
+    agent: str = ""  # agentic tasks: the agent plug-in that talks to the session server
+    rollout_batch_size: int = 8  # prompts per step
+    n_samples_per_prompt: int = 4
+    max_response_len: int = 32
+    max_turns: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    driver: str = "sync"  # sync: train.py; async: train_async.py (one step stale)
+    fully_async: bool = False
+    max_weight_staleness: int = 0
+    partial_rollout: bool = False
+    group_rm: bool = False
+    recompute_logprobs_via_prefill: bool = False
+    routing_replay: bool = False  # R3: replay rollout MoE routing in training
+    indexer_replay: bool = False
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    pause_generation_mode: str = "retract"
+    transfer_mode: str = "broadcast"
+    update_weights_interval: int = 1
+    check_weight_equal: bool = False
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage_estimator: str = "grpo"
+    num_steps: int = 40
+    global_batch_size: int = 0  # 0: one optimizer step per rollout (prompts x samples)
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    normalize_advantages_by_std: bool = True
+    use_tis: bool = False
+    use_rollout_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 10  # steps; 0 turns periodic checkpoints off
+    keep_last: int = 2
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    kind: str = "local"
+    ray_address: str = ""  # empty: start a local Ray on loopback
+    health_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    wandb_mode: str = "offline"
+    project: str = "miles-runner"
+    run_name: str = ""
+    tags: list[str] = field(default_factory=list)
+    metrics_jsonl: bool = True
+    plots: bool = True
+    progress: str = "auto"
+
+
+@dataclass(frozen=True)
+class MilesConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def defaults_tree() -> dict[str, Any]:
+    """The full default tree as plain data: the base that Hydra composes everything onto."""
+    return asdict(MilesConfig())

@@ -1,0 +1,1 @@
+"""Plan: compile a validated config into the frozen Plan that the executors run."""

@@ -1,0 +1,254 @@
+"""compile_plan: a validated MilesConfig -> Plan, or one PlanError listing every violated rule.
+
+Imports nothing heavy (no torch, ray, transformers or sglang): compiling and printing a plan must stay fast.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from miles_runner.config.compose import ComposedConfig
+from miles_runner.config.schema import MilesConfig
+from miles_runner.errors import PlanError, Problem
+from miles_runner.plan import render
+from miles_runner.plan.derive import Derived, adapter_value, derive
+from miles_runner.plan.model import (
+    AdapterPlan,
+    BatchPlan,
+    Capabilities,
+    ClusterPlan,
+    EnginePlan,
+    Launch,
+    MultiLoRAPlan,
+    Parallelism,
+    Plan,
+    RouterPlan,
+    SessionPlan,
+    SyncPlan,
+    TrainerPlan,
+)
+from miles_runner.plan.rules import RULES
+
+LOOPBACK = "127.0.0.1"
+
+
+def compile_plan(composed: ComposedConfig) -> Plan:
+    cfg = composed.config
+    d = derive(cfg)
+    problems = [
+        to_problem(rule_id, finding, composed)
+        for rule_id, check in RULES.items()
+        for finding in check(cfg, d)
+    ]
+    if problems:
+        raise PlanError(problems)
+    return build_plan(cfg, d, composed.recipe)
+
+
+def to_problem(rule_id: str, finding: Any, composed: ComposedConfig) -> Problem:
+    settings: list[tuple[str, str]] = []
+    for key in finding.keys:
+        shown, origin = composed.provenance.display(re.sub(r"\[\d+\]", "", key), lookup(composed.config, key))
+        if key != re.sub(r"\[\d+\]", "", key):  # a list item: show the item's own path
+            shown = f"{key}={shown.partition('=')[2]}" if "=" in shown else key
+            shown = f"{key}={lookup(composed.config, key)}"
+        if (shown, str(origin)) not in settings:
+            settings.append((shown, str(origin)))
+    return Problem(rule_id, settings, finding.reason, finding.fix)
+
+
+def lookup(cfg: MilesConfig, path: str) -> Any:
+    value: Any = cfg
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        value = value[int(part[1:-1])] if part.startswith("[") else getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
+    engines = build_engines(cfg, d)
+    router = build_router(cfg, d, engines)
+    upstream = router.launch.url if router else engines[0].launch.url
+    adapters = build_adapters(cfg, d)
+    return Plan(
+        name=cfg.run.name,
+        recipe=recipe,
+        seed=cfg.run.seed,
+        topology=cfg.topology.kind,
+        model=cfg.model,
+        model_path=d.model_path,
+        cluster=ClusterPlan(
+            cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_type, cfg.cluster.cpu_only,
+            d.slots_per_node, d.total_slots,
+        ),  # fmt: skip
+        trainer=build_trainer(cfg, d),
+        engines=engines,
+        router=router,
+        session=build_session(cfg, d, upstream),
+        multi_lora=build_multi_lora(cfg, d),
+        adapters=adapters,
+        batch=build_batch(cfg, d),
+        sync=SyncPlan(
+            method=d.sync_method,
+            pause_generation_mode=cfg.weight_sync.pause_generation_mode,
+            flush_cache=d.flush_on_sync,
+            update_weights_interval=cfg.weight_sync.update_weights_interval,
+            max_weight_staleness=cfg.rollout.max_weight_staleness,
+            driver=cfg.rollout.driver,
+            fully_async=cfg.rollout.fully_async,
+        ),
+        capabilities=Capabilities(
+            lora_enabled=d.lora_enabled,
+            lora_rollout_enabled=d.lora_rollout_enabled,
+            multi_lora=d.multi_lora,
+            use_routing_replay=cfg.rollout.routing_replay,
+            use_addition_r3=d.use_addition_r3,
+            offload_train=d.offload_train,
+            offload_rollout=d.offload_rollout,
+            normalize_advantages_by_std=d.normalize_std,
+            use_dynamic_global_batch_size=d.multi_lora,
+        ),
+        rollout=cfg.rollout,
+        algorithm=cfg.algorithm,
+        optimizer=cfg.optimizer,
+        checkpoint=cfg.checkpoint,
+        executor=cfg.executor,
+        logger=cfg.logger,
+    )
+
+
+def slot_list(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
+    """Every (node, slot) of the cluster, node-major: the trainer takes the first ones."""
+    return [(n, g) for n in range(cfg.cluster.nodes) for g in range(d.slots_per_node)]
+
+
+def trainer_slots(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
+    nodes = range(d.trainer_nodes)
+    return [(n, g) for n in nodes for g in range(d.trainer_gpus_per_node)]
+
+
+def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
+    p = cfg.trainer.parallel
+    return TrainerPlan(
+        backend=cfg.trainer.backend,
+        lora_mode=cfg.lora.mode,
+        parallel=Parallelism(
+            p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format
+        ),
+        placements=[list(s) for s in trainer_slots(cfg, d)],
+        offload_train=d.offload_train,
+        offload_target=cfg.trainer.offload_target,
+        launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
+    )
+
+
+def rollout_slots(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
+    if d.colocated:
+        return trainer_slots(cfg, d)
+    taken = set(trainer_slots(cfg, d))
+    return [s for s in slot_list(cfg, d) if s not in taken][: d.rollout_gpus]
+
+
+def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
+    slots, tp, engines = rollout_slots(cfg, d), cfg.engine.tp_size, []
+    for i in range(d.num_engines):
+        mine = slots[i * tp : (i + 1) * tp]
+        nodes = sorted({n for n, _ in mine})
+        port = cfg.engine.base_port + i
+        env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for n, g in mine if n == nodes[0])}
+        argv = render.engine_argv(cfg, d, host=LOOPBACK, port=port, nnodes=len(nodes))
+        launch = Launch(argv, LOOPBACK, port, env, "/health")
+        ids = [g for n, g in mine if n == nodes[0]]
+        engines.append(EnginePlan(i, cfg.engine.kind, nodes, ids, tp, cfg.engine.ep_size, launch))
+    return engines
+
+
+def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> RouterPlan | None:
+    if cfg.router.kind == "none":
+        return None
+    urls = [e.launch.url for e in engines]
+    argv = render.router_argv(LOOPBACK, cfg.router.port, d.router_policy, urls)
+    return RouterPlan(d.router_policy, Launch(argv, LOOPBACK, cfg.router.port, {}, "/health"))
+
+
+def build_session(cfg: MilesConfig, d: Derived, upstream: str) -> SessionPlan | None:
+    if cfg.session.version == "off":
+        return None
+    # Multi-LoRA sessions name their adapter slot per session; a single adapter is on every turn.
+    lora_path = d.engine_lora_names[0] if d.lora_rollout_enabled and not d.multi_lora else None
+    argv = render.session_argv(cfg, d, upstream_url=upstream, lora_path=lora_path)
+    return SessionPlan(
+        version=cfg.session.version,
+        lora_path=lora_path,
+        use_addition_r3=d.use_addition_r3,
+        return_routed_experts=cfg.rollout.routing_replay,
+        tito_model=cfg.session.tito_model,
+        launch=Launch(argv, cfg.session.host, cfg.session.port, {}, "/health"),
+    )
+
+
+def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
+    if not d.multi_lora:
+        return None
+    a = cfg.adapters
+    argv = render.controller_argv(LOOPBACK, a.api_port)
+    return MultiLoRAPlan(
+        slots=d.multi_lora_slots,
+        max_adapter_global_batch_size=4 * d.global_batch_size,
+        max_coalesce_wait_s=a.max_coalesce_wait_s,
+        max_empty_wait_s=a.max_empty_wait_s,
+        idle_poll_s=a.idle_poll_s,
+        service_mode=a.service_mode,
+        launch=Launch(argv, LOOPBACK, a.api_port, {}, "/health"),
+    )
+
+
+def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
+    from miles_runner.plan.derive import resolved_targets
+
+    a, r = cfg.adapters, cfg.rollout
+    if a.kind == "single":
+        return [
+            AdapterPlan(
+                d.engine_lora_names[0], d.engine_lora_names[0], a.rank, a.alpha, a.dropout, d.target_modules,
+                r.task, r.reward, cfg.optimizer.lr, r.rollout_batch_size, r.n_samples_per_prompt, data=a.path,
+            )
+        ]  # fmt: skip
+    if a.kind != "multi":
+        return []
+    return [
+        AdapterPlan(
+            name=run.name,
+            lora_path=d.engine_lora_names[slot] if slot < len(d.engine_lora_names) else "",
+            rank=adapter_value(run, "rank", cfg),
+            alpha=adapter_value(run, "alpha", cfg),
+            dropout=a.dropout,
+            target_modules=resolved_targets(cfg, adapter_value(run, "target_modules", cfg)),
+            task=run.task,
+            reward=run.reward,
+            lr=adapter_value(run, "lr", cfg),
+            rollout_batch_size=adapter_value(run, "rollout_batch_size", cfg),
+            n_samples_per_prompt=adapter_value(run, "n_samples_per_prompt", cfg),
+            num_step=run.num_step,
+            num_epoch=run.num_epoch,
+            data=run.data,
+        )
+        for slot, run in enumerate(a.runs)
+    ]
+
+
+def build_batch(cfg: MilesConfig, d: Derived) -> BatchPlan:
+    r = cfg.rollout
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    return BatchPlan(
+        rollout_batch_size=r.rollout_batch_size,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        samples_per_rollout=samples,
+        global_batch_size=d.global_batch_size,
+        steps_per_rollout=max(samples // d.global_batch_size, 1),
+        num_steps=cfg.algorithm.num_steps,
+        max_response_len=r.max_response_len,
+        max_turns=r.max_turns,
+    )

@@ -1,0 +1,166 @@
+"""Values the plan derives and the user never sets (spec §1.2 "Adjustments"), as pure functions of the config.
+
+Rules see these too, so a rule reads the same number the plan will use (e.g. the trainer's world size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_runner.config.schema import AdapterRun, MilesConfig
+from miles_runner.lora.naming import LORA_ADAPTER_NAME, slot_lora_name
+from miles_runner.lora.targets import expand_target_modules
+
+TINY_SCHEME = "tiny:"
+TINY_MODEL_SEED = 0
+MODEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"
+
+
+@dataclass(frozen=True)
+class Derived:
+    lora_enabled: bool
+    lora_rollout_enabled: bool
+    multi_lora: bool
+    colocated: bool
+    slots_per_node: int
+    total_slots: int
+    trainer_nodes: int
+    trainer_gpus_per_node: int
+    trainer_world_size: int
+    rollout_gpus: int
+    num_engines: int
+    model_parallel: int  # tp * pp * cp
+    dp_size: int  # 0 when the world size is not a multiple of tp*pp*cp
+    offload_train: bool
+    offload_rollout: bool
+    use_addition_r3: bool
+    router_policy: str
+    sync_method: str
+    flush_on_sync: bool
+    target_modules: list[str]
+    engine_lora_names: list[str]
+    multi_lora_slots: int
+    max_lora_rank: int
+    global_batch_size: int
+    normalize_std: bool
+    is_moe: bool
+    model_path: str
+
+
+def derive(cfg: MilesConfig) -> Derived:
+    lora_enabled = cfg.adapters.kind != "none"
+    multi = cfg.adapters.kind == "multi"
+    colocated = cfg.topology.kind == "colocated"
+    slots_per_node = cfg.cluster.cpu_slots_per_node if cfg.cluster.cpu_only else cfg.cluster.gpus_per_node
+    trainer_gpn = cfg.topology.actor_num_gpus_per_node or slots_per_node
+    trainer_nodes = cfg.topology.actor_num_nodes or cfg.cluster.nodes
+    world = trainer_nodes * trainer_gpn
+    total = cfg.cluster.nodes * slots_per_node
+    rollout_gpus = world if colocated else (cfg.topology.rollout_num_gpus or max(total - world, 0))
+    par = cfg.trainer.parallel
+    mp = par.tp * par.pp * par.cp
+    # Colocated roles take turns on the GPUs, so each offloads while the other runs; no GPU, nothing to free.
+    offload_default = colocated and not multi and not cfg.cluster.cpu_only
+    slots = (cfg.adapters.max_slots or len(cfg.adapters.runs)) if multi else 0
+    gbs = cfg.algorithm.global_batch_size or cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    return Derived(
+        lora_enabled=lora_enabled,
+        lora_rollout_enabled=lora_enabled and not cfg.adapters.train_only,
+        multi_lora=multi,
+        colocated=colocated,
+        slots_per_node=slots_per_node,
+        total_slots=total,
+        trainer_nodes=trainer_nodes,
+        trainer_gpus_per_node=trainer_gpn,
+        trainer_world_size=world,
+        rollout_gpus=rollout_gpus,
+        num_engines=rollout_gpus // cfg.engine.tp_size if cfg.engine.tp_size > 0 else 0,
+        model_parallel=mp,
+        dp_size=world // mp if mp > 0 and world % mp == 0 else 0,
+        offload_train=_or_default(cfg.topology.offload_train, offload_default),
+        offload_rollout=_or_default(cfg.topology.offload_rollout, offload_default),
+        use_addition_r3=(
+            cfg.session.version != "off"
+            and cfg.weight_sync.pause_generation_mode == "in_place"
+            and cfg.rollout.routing_replay
+        ),
+        router_policy=router_policy(cfg),
+        sync_method=sync_method(cfg),
+        flush_on_sync=colocated or cfg.weight_sync.pause_generation_mode != "in_place",
+        target_modules=resolved_targets(cfg, cfg.adapters.target_modules),
+        engine_lora_names=engine_lora_names(cfg, slots),
+        multi_lora_slots=slots,
+        max_lora_rank=max_lora_rank(cfg),
+        global_batch_size=gbs,
+        normalize_std=cfg.algorithm.normalize_advantages_by_std and (cfg.rollout.n_samples_per_prompt > 1 or multi),
+        is_moe=cfg.model.num_experts > 0,
+        model_path=resolve_model_path(cfg.model.path),
+    )
+
+
+def _or_default(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def router_policy(cfg: MilesConfig) -> str:
+    """Sessions must stick to one engine (their KV and in_place requests live there): manual routing by key."""
+    if cfg.router.policy != "auto":
+        return cfg.router.policy
+    return "manual" if cfg.session.version != "off" else "round_robin"
+
+
+def sync_method(cfg: MilesConfig) -> str:
+    if cfg.topology.kind == "colocated":
+        return "tensor"
+    return cfg.weight_sync.transfer_mode
+
+
+def resolved_targets(cfg: MilesConfig, targets: list[str]) -> list[str]:
+    return expand_target_modules(
+        targets, cfg.adapters.exclude_modules, kv_lora_rank=cfg.model.kv_lora_rank, q_lora_rank=cfg.model.q_lora_rank
+    )
+
+
+def engine_lora_names(cfg: MilesConfig, slots: int) -> list[str]:
+    if cfg.adapters.kind == "single":
+        return [LORA_ADAPTER_NAME]
+    return [slot_lora_name(k) for k in range(slots)]
+
+
+def adapter_value(run: AdapterRun, field: str, cfg: MilesConfig):
+    """A multi-LoRA run's own value, else the global default (spec §4.3 resolve_adapter_config)."""
+    own = getattr(run, field)
+    if own is not None and own != []:
+        return own
+    fallback = {
+        "rank": cfg.adapters.rank,
+        "alpha": cfg.adapters.alpha,
+        "target_modules": cfg.adapters.target_modules,
+        "lr": cfg.optimizer.lr,
+        "rollout_batch_size": cfg.rollout.rollout_batch_size,
+        "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt,
+    }
+    return fallback.get(field, own)
+
+
+def max_lora_rank(cfg: MilesConfig) -> int:
+    if cfg.engine.max_lora_rank:
+        return cfg.engine.max_lora_rank
+    ranks = [cfg.adapters.rank] + [adapter_value(r, "rank", cfg) for r in cfg.adapters.runs]
+    return max(max(ranks), 1)
+
+
+def resolve_model_path(path: str) -> str:
+    """`tiny:NAME` -> the local cache folder the tiny-model factory builds on first use."""
+    if path.startswith(TINY_SCHEME):
+        return str(MODEL_CACHE / f"{path.removeprefix(TINY_SCHEME)}-seed{TINY_MODEL_SEED}")
+    return path
+
+
+def min_groups_per_dp_split(n: int, dp: int) -> int | None:
+    """Spec §4.6: max(n,dp)//n when the larger divides by the smaller, else None (undefined)."""
+    if n <= 0 or dp <= 0:
+        return None
+    big, small = max(n, dp), min(n, dp)
+    return big // n if big % small == 0 else None

@@ -1,0 +1,203 @@
+"""The Plan: a frozen, serialisable description of exactly what a run starts and how.
+
+Components receive their slice of it (an EnginePlan, the SessionPlan, ...), never the raw Hydra config.
+`plan.yaml` is `plan_to_dict(plan)` dumped as YAML, and `plan_from_dict` reads it back through the same
+schema loader as the config, so a run executes exactly the plan that was saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_runner.config.loader import load_dataclass
+from miles_runner.config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ExecutorConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one real component: argv (argv[0] "python" means the run's interpreter), env, address."""
+
+    argv: list[str]
+    host: str = "127.0.0.1"
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str
+    cpu_only: bool
+    slots_per_node: int  # GPUs, or CPU worker slots on a cpu-only cluster
+    total_slots: int
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    world_size: int
+    micro_batch_size: int
+    qkv_format: str
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    backend: str
+    lora_mode: str
+    parallel: Parallelism
+    placements: list[list[int]]  # [node, slot] per rank
+    offload_train: bool
+    offload_target: str
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    index: int
+    kind: str
+    nodes: list[int]
+    slot_ids: list[int]  # GPU ids on the first node (CUDA_VISIBLE_DEVICES)
+    tp: int
+    ep: int
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    policy: str
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    version: str
+    lora_path: str | None  # the adapter every turn is generated with; None without LoRA rollouts
+    use_addition_r3: bool
+    return_routed_experts: bool
+    tito_model: str
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    name: str
+    lora_path: str  # the engine-side adapter name: miles_lora, or the slot name
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+    task: str
+    reward: str
+    lr: float
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    num_step: int | None = None
+    num_epoch: int | None = None
+    data: str = ""
+
+
+@dataclass(frozen=True)
+class MultiLoRAPlan:
+    slots: int
+    max_adapter_global_batch_size: int
+    max_coalesce_wait_s: float
+    max_empty_wait_s: float
+    idle_poll_s: float
+    service_mode: bool
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    samples_per_rollout: int
+    global_batch_size: int
+    steps_per_rollout: int
+    num_steps: int
+    max_response_len: int
+    max_turns: int
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    method: str  # tensor (colocated) | broadcast (disaggregated) | p2p | disk-delta
+    pause_generation_mode: str
+    flush_cache: bool
+    update_weights_interval: int
+    max_weight_staleness: int
+    driver: str
+    fully_async: bool
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    lora_enabled: bool
+    lora_rollout_enabled: bool
+    multi_lora: bool
+    use_routing_replay: bool
+    use_addition_r3: bool
+    offload_train: bool
+    offload_rollout: bool
+    normalize_advantages_by_std: bool
+    use_dynamic_global_batch_size: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    recipe: str | None
+    seed: int
+    topology: str
+    model: ModelConfig
+    model_path: str
+    cluster: ClusterPlan
+    trainer: TrainerPlan
+    engines: list[EnginePlan]
+    router: RouterPlan | None
+    session: SessionPlan | None
+    multi_lora: MultiLoRAPlan | None
+    adapters: list[AdapterPlan]
+    batch: BatchPlan
+    sync: SyncPlan
+    capabilities: Capabilities
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig
+    checkpoint: CheckpointConfig
+    executor: ExecutorConfig
+    logger: LoggerConfig
+
+    @property
+    def rollout_url(self) -> str:
+        """Where rollouts send requests: the router if there is one, else the only engine."""
+        return self.router.launch.url if self.router else self.engines[0].launch.url
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    return dataclasses.asdict(plan)
+
+
+def plan_from_dict(data: dict[str, Any]) -> Plan:
+    return load_dataclass(Plan, data)

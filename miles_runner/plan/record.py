@@ -1,0 +1,80 @@
+"""The run folder's record of what was planned: plan.yaml, the resolved config.yaml and provenance.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from miles_runner.config.compose import REPO_ROOT, ComposedConfig
+from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
+
+TRACKED_PACKAGES = (
+    "miles-runner", "hydra-core", "omegaconf", "torch", "transformers", "peft", "ray", "sglang",
+    "sglang-router", "megatron-core", "wandb", "fastapi", "uvicorn", "httpx",
+)  # fmt: skip
+
+
+def new_run_dir(root: str | Path = "outputs") -> Path:
+    """outputs/YYYY-MM-DD/HH-MM-SS (Hydra's layout), with a suffix if two runs start in the same second."""
+    now = dt.datetime.now()
+    base = Path(root) / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    candidate, n = base, 1
+    while candidate.exists():
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def write_run_record(run_dir: Path, composed: ComposedConfig, plan: Plan, argv: list[str]) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = run_dir / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump(plan_to_dict(plan), sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(composed.config), sort_keys=False))
+    (run_dir / "provenance.json").write_text(json.dumps(provenance_record(composed, argv), indent=2))
+    return plan_path
+
+
+def read_plan(path: str | Path) -> Plan:
+    return plan_from_dict(yaml.safe_load(Path(path).read_text()))
+
+
+def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
+    p = composed.provenance
+    return {
+        "created": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "argv": argv,
+        "recipe": composed.recipe,
+        "overrides": composed.overrides,
+        "choices": {g: {"option": p.choices[g], "from": str(o)} for g, o in sorted(p.choice_origins.items())},
+        "git": git_state(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": package_versions(),
+    }
+
+
+def git_state() -> dict:
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

@@ -1,0 +1,79 @@
+"""The commands that start each real component, rendered from the config and its derived values.
+
+The SGLang engine and the embedded CPU engine take one argv shape (the embedded engine accepts SGLang's flags
+and ignores the GPU-only ones), so the plan differs between them only in the module it runs.
+"""
+
+from __future__ import annotations
+
+from miles_runner.config.schema import MilesConfig
+from miles_runner.plan.derive import Derived
+
+PYTHON = "python"  # the local executor substitutes the run's interpreter
+ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.engine.embedded"}
+TRAINER_MODULES = {"fsdp": "miles_runner.trainer.fsdp", "megatron": "miles_runner.trainer.megatron"}
+
+
+def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: int) -> list[str]:
+    e = cfg.engine
+    argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
+    argv += ["--tp-size", str(e.tp_size), "--random-seed", str(cfg.run.seed)]
+    if e.ep_size > 1:
+        argv += ["--ep-size", str(e.ep_size)]
+    if e.kind == "sglang":
+        argv += ["--mem-fraction-static", str(e.mem_fraction_static)]
+        if e.dp_attention:
+            argv += ["--enable-dp-attention", "--dp-size", str(e.tp_size)]
+        if not e.enable_cuda_graph:
+            argv.append("--disable-cuda-graph")
+        if d.offload_rollout:
+            argv.append("--enable-memory-saver")
+        if nnodes > 1:
+            argv += ["--nnodes", str(nnodes), "--node-rank", "0"]
+    if d.lora_rollout_enabled:
+        argv += lora_flags(cfg, d)
+    if cfg.rollout.routing_replay:
+        argv.append("--enable-return-routed-experts")
+    return argv + list(e.extra_args)
+
+
+def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
+    """Spec §3.2: max_loras_per_batch is 1 for a single adapter and the slot count for multi-LoRA."""
+    flags = ["--enable-lora", "--max-lora-rank", str(d.max_lora_rank)]
+    flags += ["--max-loras-per-batch", str(max(len(d.engine_lora_names), 1))]
+    flags += ["--lora-target-modules", *d.target_modules]
+    if cfg.engine.kind == "sglang":
+        flags += ["--lora-backend", cfg.engine.lora_backend]
+    if cfg.adapters.kind == "single" and cfg.adapters.path:
+        flags += ["--lora-paths", f"{d.engine_lora_names[0]}={cfg.adapters.path}"]
+    return flags
+
+
+def router_argv(host: str, port: int, policy: str, worker_urls: list[str]) -> list[str]:
+    return ["sglang-router", "launch", "--host", host, "--port", str(port), "--policy", policy,
+            "--worker-urls", *worker_urls]  # fmt: skip
+
+
+def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: str | None) -> list[str]:
+    s = cfg.session
+    argv = [PYTHON, "-m", "miles_runner.session.server", "--engine-url", upstream_url, "--model-path", d.model_path]
+    argv += ["--host", s.host, "--port", str(s.port), "--version", s.version]
+    argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--timeout", str(s.upstream_timeout_s)]
+    if lora_path:
+        argv += ["--lora-path", lora_path]
+    if cfg.rollout.routing_replay:
+        argv.append("--return-routed-experts")
+    if d.use_addition_r3:
+        argv.append("--addition-r3")
+    return argv
+
+
+def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
+    """One launcher line per node; the plan file it reads is the one saved in the run folder."""
+    return ["torchrun", "--nnodes", str(d.trainer_nodes),
+            "--nproc-per-node", str(d.trainer_gpus_per_node),
+            "-m", TRAINER_MODULES[cfg.trainer.backend], "--plan", "plan.yaml"]  # fmt: skip
+
+
+def controller_argv(host: str, port: int) -> list[str]:
+    return [PYTHON, "-m", "miles_runner.lora.controller", "--plan", "plan.yaml", "--host", host, "--port", str(port)]

@@ -1,0 +1,112 @@
+"""Readable tables of a Plan: the facts a reviewer asks for before approving GPU time."""
+
+from __future__ import annotations
+
+import shlex
+
+from miles_runner.plan.model import Launch, Plan
+
+
+def summarize(plan: Plan, plan_path: str) -> str:
+    rows = [
+        ("cluster", cluster_line(plan)),
+        ("trainer", trainer_line(plan)),
+        ("engines", engines_line(plan)),
+    ]
+    if plan.router:
+        rows.append(("router", f"sglang-router on :{plan.router.launch.port}, policy {plan.router.policy}"))
+    if plan.session:
+        rows.append(("session", session_line(plan)))
+    if plan.multi_lora:
+        m = plan.multi_lora
+        names = ", ".join(a.name for a in plan.adapters) or "none yet"
+        rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port}"))
+    rows += [("sync", sync_line(plan)), ("batches", batch_line(plan)), ("derived", derived_line(plan))]
+    width = max(len(k) for k, _ in rows)
+    head = f"plan {plan.name} -> {plan_path}"
+    return "\n".join([head, *(f" {k:<{width}}  {v}" for k, v in rows), " commands", *command_lines(plan)])
+
+
+def cluster_line(plan: Plan) -> str:
+    c = plan.cluster
+    if c.cpu_only:
+        return f"{c.nodes} node x {c.slots_per_node} CPU slots (no GPU), {plan.topology}"
+    return f"{c.nodes} nodes x {c.gpus_per_node} {c.gpu_type} ({c.total_slots} GPUs), {plan.topology}"
+
+
+def trainer_line(plan: Plan) -> str:
+    t, p = plan.trainer, plan.trainer.parallel
+    line = f"{t.backend}, {p.world_size} ranks, TP {p.tp}, EP {p.ep}, PP {p.pp}, CP {p.cp}, DP {p.dp}"
+    if plan.adapters and not plan.multi_lora:
+        a = plan.adapters[0]
+        line += f", LoRA r{a.rank} a{a.alpha:g} via {t.lora_mode} on [{', '.join(a.target_modules)}]"
+    elif plan.multi_lora:
+        line += f", multi-LoRA via {t.lora_mode}"
+    return line + (", offload " + t.offload_target if t.offload_train else "")
+
+
+def engines_line(plan: Plan) -> str:
+    e = plan.engines[0]
+    kind = "SGLang" if e.kind == "sglang" else "embedded (CPU)"
+    flags = e.launch.argv
+    line = f"{len(plan.engines)} x {kind}, TP {e.tp} each"
+    line += ", routed experts on" if "--enable-return-routed-experts" in flags else ""
+    if "--max-lora-rank" in flags:
+        line += f", max LoRA rank {flags[flags.index('--max-lora-rank') + 1]}"
+    return line
+
+
+def session_line(plan: Plan) -> str:
+    s = plan.session
+    assert s is not None
+    adapter = f"adapter {s.lora_path} on every turn" if s.lora_path else "adapter per session slot"
+    if not plan.capabilities.lora_rollout_enabled:
+        adapter = "base model (no LoRA rollout)"
+    r3 = "on" if s.use_addition_r3 else "off"
+    return f"{s.version} on :{s.launch.port}, {adapter}, incremental R3 {r3} (pause mode {plan.sync.pause_generation_mode})"
+
+
+def sync_line(plan: Plan) -> str:
+    s = plan.sync
+    flush = "flush" if s.flush_cache else "no flush"
+    return (
+        f"{s.method}, pause {s.pause_generation_mode}, {flush}, every {s.update_weights_interval} step(s), "
+        f"max staleness {s.max_weight_staleness}, driver {s.driver}" + (", fully async" if s.fully_async else "")
+    )
+
+
+def batch_line(plan: Plan) -> str:
+    b = plan.batch
+    return (
+        f"{b.rollout_batch_size} prompts x {b.n_samples_per_prompt} samples = {b.samples_per_rollout} samples/step, "
+        f"global batch {b.global_batch_size}, {b.num_steps} steps"
+    )
+
+
+def derived_line(plan: Plan) -> str:
+    c = plan.capabilities
+    on = [name for name, value in (
+        ("offload train", c.offload_train), ("offload rollout", c.offload_rollout),
+        ("routing replay", c.use_routing_replay), ("addition R3", c.use_addition_r3),
+        ("std-normalised advantages", c.normalize_advantages_by_std),
+        ("dynamic global batch", c.use_dynamic_global_batch_size),
+    ) if value]  # fmt: skip
+    return ", ".join(on) or "nothing"
+
+
+def command_lines(plan: Plan) -> list[str]:
+    named: list[tuple[str, Launch]] = [(f"engine {e.index}", e.launch) for e in plan.engines]
+    if plan.router:
+        named.append(("router", plan.router.launch))
+    if plan.session:
+        named.append(("session", plan.session.launch))
+    if plan.multi_lora:
+        named.append(("controller", plan.multi_lora.launch))
+    named.append(("trainer", plan.trainer.launch))
+    width = max(len(n) for n, _ in named)
+    return [f"   {name:<{width}}  {render_command(launch)}" for name, launch in named]
+
+
+def render_command(launch: Launch) -> str:
+    env = " ".join(f"{k}={v}" for k, v in launch.env.items())
+    return (env + " " if env else "") + shlex.join(launch.argv)
