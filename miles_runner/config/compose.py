@@ -126,5 +126,5 @@ def composition_problem(message: str) -> Problem:
         if group == "recipe":
             fix = f"+recipe={fix.partition('=')[2]}" if fix else _MISSING_RECIPE_HINT
         return Problem("unknown-option", [(f"{group}={option}", COMMAND_LINE)], f"no such option; {hint}", fix)
-    first_line = message.strip().splitlines()[0] if message.strip() else "composition failed"
-    return Problem("config-composition", [], first_line, "")
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()] or ["composition failed"]
+    return Problem("config-composition", [], " ".join(lines), "")

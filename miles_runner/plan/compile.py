@@ -28,22 +28,27 @@ from miles_runner.plan.model import (
     SyncPlan,
     TrainerPlan,
 )
-from miles_runner.plan.rules import RULES
+from miles_runner.plan.rules import PRECONDITIONS, RULES
 
 LOOPBACK = "127.0.0.1"
 
 
 def compile_plan(composed: ComposedConfig) -> Plan:
     cfg = composed.config
+    check_rules(PRECONDITIONS, composed, None)
     d = derive(cfg)
+    check_rules(RULES, composed, d)
+    return build_plan(cfg, d, composed.recipe)
+
+
+def check_rules(rules: dict, composed: ComposedConfig, d: Derived | None) -> None:
     problems = [
         to_problem(rule_id, finding, composed)
-        for rule_id, check in RULES.items()
-        for finding in check(cfg, d)
+        for rule_id, check in rules.items()
+        for finding in check(composed.config, d)
     ]
     if problems:
         raise PlanError(problems)
-    return build_plan(cfg, d, composed.recipe)
 
 
 def to_problem(rule_id: str, finding: Any, composed: ComposedConfig) -> Problem:
@@ -82,7 +87,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         cluster=ClusterPlan(
             cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_type, cfg.cluster.cpu_only,
             d.slots_per_node, d.total_slots,
-        ),  # fmt: skip
+        ),
         trainer=build_trainer(cfg, d),
         engines=engines,
         router=router,
@@ -157,10 +162,10 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
         mine = slots[i * tp : (i + 1) * tp]
         nodes = sorted({n for n, _ in mine})
         port = cfg.engine.base_port + i
-        env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for n, g in mine if n == nodes[0])}
+        ids = [g for n, g in mine if n == nodes[0]]
+        env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
         argv = render.engine_argv(cfg, d, host=LOOPBACK, port=port, nnodes=len(nodes))
         launch = Launch(argv, LOOPBACK, port, env, "/health")
-        ids = [g for n, g in mine if n == nodes[0]]
         engines.append(EnginePlan(i, cfg.engine.kind, nodes, ids, tp, cfg.engine.ep_size, launch))
     return engines
 
@@ -215,7 +220,7 @@ def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
                 d.engine_lora_names[0], d.engine_lora_names[0], a.rank, a.alpha, a.dropout, d.target_modules,
                 r.task, r.reward, cfg.optimizer.lr, r.rollout_batch_size, r.n_samples_per_prompt, data=a.path,
             )
-        ]  # fmt: skip
+        ]
     if a.kind != "multi":
         return []
     return [

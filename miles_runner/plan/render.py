@@ -51,7 +51,7 @@ def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
 
 def router_argv(host: str, port: int, policy: str, worker_urls: list[str]) -> list[str]:
     return ["sglang-router", "launch", "--host", host, "--port", str(port), "--policy", policy,
-            "--worker-urls", *worker_urls]  # fmt: skip
+            "--worker-urls", *worker_urls]
 
 
 def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: str | None) -> list[str]:
@@ -72,7 +72,7 @@ def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
     """One launcher line per node; the plan file it reads is the one saved in the run folder."""
     return ["torchrun", "--nnodes", str(d.trainer_nodes),
             "--nproc-per-node", str(d.trainer_gpus_per_node),
-            "-m", TRAINER_MODULES[cfg.trainer.backend], "--plan", "plan.yaml"]  # fmt: skip
+            "-m", TRAINER_MODULES[cfg.trainer.backend], "--plan", "plan.yaml"]
 
 
 def controller_argv(host: str, port: int) -> list[str]:

@@ -26,14 +26,40 @@ class Finding:
 
 RuleFn = Callable[[MilesConfig, Derived], Iterator[Finding]]
 RULES: dict[str, RuleFn] = {}
+# Rules whose failure makes the others meaningless (they divide by these sizes): checked first, alone.
+PRECONDITIONS: dict[str, RuleFn] = {}
 
 
-def rule(rule_id: str) -> Callable[[RuleFn], RuleFn]:
+def rule(rule_id: str, *, precondition: bool = False) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
-        RULES[rule_id] = fn
+        (PRECONDITIONS if precondition else RULES)[rule_id] = fn
         return fn
 
     return register
+
+
+POSITIVE_SIZES = (
+    "cluster.nodes", "trainer.parallel.tp", "trainer.parallel.pp", "trainer.parallel.cp", "trainer.parallel.ep",
+    "trainer.parallel.etp", "trainer.parallel.micro_batch_size", "engine.tp_size", "engine.ep_size",
+)
+NON_NEGATIVE_SIZES = (
+    "cluster.gpus_per_node", "cluster.cpu_slots_per_node", "topology.actor_num_nodes",
+    "topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "algorithm.global_batch_size",
+    "adapters.max_slots", "engine.max_lora_rank",
+)
+
+
+@rule("sizes-positive", precondition=True)
+def sizes_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
+    from miles_runner.plan.compile import lookup
+
+    for key in POSITIVE_SIZES + NON_NEGATIVE_SIZES:
+        value, least = lookup(cfg, key), 1 if key in POSITIVE_SIZES else 0
+        if value < least:
+            yield Finding((key,), f"{key} counts processes, GPUs or samples; it must be at least {least}.", f"{key}=1")
+    if cfg.cluster.cpu_only and cfg.cluster.cpu_slots_per_node < 1:
+        yield Finding(("cluster.cpu_slots_per_node",), "A cpu-only node needs at least one worker slot.",
+                      "cluster.cpu_slots_per_node=1")
 
 
 SESSION = "session.version"
@@ -572,8 +598,8 @@ def cpu_cluster_runs_no_gpu_components(cfg: MilesConfig, d: Derived) -> Iterator
         )
 
 
-@rule("gpu-cluster-needs-gpus")
-def gpu_cluster_needs_gpus(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+@rule("gpu-cluster-needs-gpus", precondition=True)
+def gpu_cluster_needs_gpus(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
     if not cfg.cluster.cpu_only and cfg.cluster.gpus_per_node <= 0:
         yield Finding(
             ("cluster.gpus_per_node", "cluster.cpu_only"),

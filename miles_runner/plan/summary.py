@@ -63,7 +63,8 @@ def session_line(plan: Plan) -> str:
     if not plan.capabilities.lora_rollout_enabled:
         adapter = "base model (no LoRA rollout)"
     r3 = "on" if s.use_addition_r3 else "off"
-    return f"{s.version} on :{s.launch.port}, {adapter}, incremental R3 {r3} (pause mode {plan.sync.pause_generation_mode})"
+    pause = plan.sync.pause_generation_mode
+    return f"{s.version} on :{s.launch.port}, {adapter}, incremental R3 {r3} (pause mode {pause})"
 
 
 def sync_line(plan: Plan) -> str:
@@ -90,7 +91,7 @@ def derived_line(plan: Plan) -> str:
         ("routing replay", c.use_routing_replay), ("addition R3", c.use_addition_r3),
         ("std-normalised advantages", c.normalize_advantages_by_std),
         ("dynamic global batch", c.use_dynamic_global_batch_size),
-    ) if value]  # fmt: skip
+    ) if value]
     return ", ".join(on) or "nothing"
 
 

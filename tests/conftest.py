@@ -1,0 +1,8 @@
+"""Test-wide environment: everything stays on loopback and offline."""
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,68 @@
+"""Every recipe compiles, and its plan matches the reviewed golden file (UPDATE_GOLDEN=1 rewrites them)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from miles_runner.config.compose import RECIPES_DIR, REPO_ROOT, compose
+from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.model import plan_from_dict, plan_to_dict
+
+GOLDEN = Path(__file__).parent / "golden"
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def portable(plan_dict: dict) -> str:
+    """The plan as YAML with this checkout's absolute path replaced, so goldens hold on any clone."""
+    return yaml.safe_dump(plan_dict, sort_keys=False).replace(str(REPO_ROOT), "<repo>")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_compiles_to_its_golden_plan(recipe):
+    plan = compile_plan(compose([f"+recipe={recipe}"]))
+    text = portable(plan_to_dict(plan))
+    golden = GOLDEN / f"{recipe}.yaml"
+    if os.environ.get("UPDATE_GOLDEN") or not golden.exists():
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_plan_round_trips_through_its_dict(recipe):
+    plan = compile_plan(compose([f"+recipe={recipe}"]))
+    assert plan_from_dict(yaml.safe_load(yaml.safe_dump(plan_to_dict(plan)))) == plan
+
+
+def test_the_glm52_recipe_uses_the_spec_figures():
+    plan = compile_plan(compose(["+recipe=glm52_lora_agentic"]))
+    assert (plan.cluster.nodes, plan.cluster.gpus_per_node, plan.cluster.gpu_type) == (4, 8, "H200")
+    p = plan.trainer.parallel
+    assert (p.tp, p.ep, p.pp, p.cp, p.world_size) == (8, 32, 1, 1, 32)
+    assert [(a.rank, a.alpha) for a in plan.adapters] == [(16, 32)]
+    assert plan.trainer.lora_mode == "bridge" and plan.topology == "colocated"
+    assert plan.session and plan.session.lora_path == "miles_lora" and not plan.session.use_addition_r3
+    assert [e.tp for e in plan.engines] == [16, 16]
+    assert "--enable-return-routed-experts" in plan.engines[0].launch.argv
+
+
+def test_the_qwen3_session_recipe_derives_addition_r3():
+    plan = compile_plan(compose(["+recipe=qwen3_30b_a3b_r3_session"]))
+    assert plan.capabilities.use_addition_r3
+    assert "--addition-r3" in plan.session.launch.argv
+
+
+def test_multi_lora_math_has_three_adapters_in_slots():
+    plan = compile_plan(compose(["+recipe=multi_lora_math"]))
+    assert [a.lora_path for a in plan.adapters] == ["__miles_slot_0", "__miles_slot_1", "__miles_slot_2"]
+    assert plan.topology == "disaggregated" and plan.sync.method == "broadcast"
+    assert "--max-loras-per-batch" in plan.engines[0].launch.argv
+
+
+def test_embedded_and_sglang_engines_share_one_argv_shape():
+    embedded = compile_plan(compose(["+recipe=tiny_lora_agentic"])).engines[0].launch.argv
+    flags = [a for a in embedded if a.startswith("--")]
+    assert embedded[:3] == ["python", "-m", "miles_runner.engine.embedded"]
+    assert {"--model-path", "--port", "--enable-lora", "--max-lora-rank", "--lora-target-modules"} <= set(flags)
