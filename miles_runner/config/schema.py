@@ -23,7 +23,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.name": ("adam", "muon", "sgd"),
     "engine.kind": ("embedded", "sglang"),
     "router.kind": ("none", "sglang"),
-    "router.policy": ("auto", "round_robin", "random", "cache_aware", "consistent_hashing", "manual"),
+    # sglang-router 0.3.2's policies; manual keeps one X-SMG-Routing-Key on one worker.
+    "router.policy": ("auto", "round_robin", "random", "cache_aware", "power_of_two", "manual"),
     "session.version": ("off", "v1", "v2"),
     "session.tito_model": ("default", "glm47", "qwen3", "qwen25"),
     "session.message_matcher": ("strict", "loose_tool_call", "role_content_only"),
@@ -180,6 +181,7 @@ class RouterConfig:
     kind: str = "none"
     policy: str = "auto"  # auto: manual with sessions (sticky by routing key), else round_robin
     port: int = 30000
+    metrics_port: int = 30090  # its Prometheus exporter, bound to loopback too
 
 
 @dataclass(frozen=True)

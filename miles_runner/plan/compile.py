@@ -174,7 +174,7 @@ def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> Rou
     if cfg.router.kind == "none":
         return None
     urls = [e.launch.url for e in engines]
-    argv = render.router_argv(LOOPBACK, cfg.router.port, d.router_policy, urls)
+    argv = render.router_argv(LOOPBACK, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port)
     return RouterPlan(d.router_policy, Launch(argv, LOOPBACK, cfg.router.port, {}, "/health"))
 
 

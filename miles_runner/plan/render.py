@@ -49,9 +49,10 @@ def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
     return flags
 
 
-def router_argv(host: str, port: int, policy: str, worker_urls: list[str]) -> list[str]:
-    return ["sglang-router", "launch", "--host", host, "--port", str(port), "--policy", policy,
-            "--worker-urls", *worker_urls]
+def router_argv(host: str, port: int, policy: str, worker_urls: list[str], *, metrics_port: int) -> list[str]:
+    """The real sglang-router's command line; its metrics exporter binds `host` too (default is 0.0.0.0)."""
+    return ["sglang-router", "launch", "--host", host, "--port", str(port), "--worker-urls", *worker_urls,
+            "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
 
 
 def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: str | None) -> list[str]:

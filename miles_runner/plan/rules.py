@@ -786,6 +786,7 @@ def ports_distinct(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     first, last = cfg.engine.base_port, cfg.engine.base_port + d.num_engines - 1
     named = {
         "router.port": cfg.router.port if cfg.router.kind != "none" else None,
+        "router.metrics_port": cfg.router.metrics_port if cfg.router.kind != "none" else None,
         "session.port": cfg.session.port if cfg.session.version != "off" else None,
         "adapters.api_port": cfg.adapters.api_port if d.multi_lora else None,
     }

@@ -1,0 +1,132 @@
+"""The local executor: starts the plan's servers on this machine, in order, health-checked, and stops them all.
+
+Engines (started together, then each waited for) -> router -> session server. The trainer runs in the
+driver's own process. Whatever happens (success, an exception, Ctrl-C), every process started is stopped,
+newest first; ports are checked before anything starts, so a busy port fails fast with its name.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from miles_runner.plan.model import Launch, Plan
+from miles_runner.plan.render import PYTHON
+from miles_runner.runtime.process import ManagedProcess, ProcessGroup
+
+
+class PortBusyError(RuntimeError):
+    pass
+
+
+@dataclass
+class Deployment:
+    """What the driver talks to once everything is up."""
+
+    engine_urls: list[str]
+    rollout_url: str  # the router, else the only engine
+    session_url: str | None
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+
+def resolve_argv(argv: list[str]) -> list[str]:
+    """Plans say `python` and `sglang-router`; locally that is this interpreter and its environment's router."""
+    head = argv[0]
+    if head == PYTHON:
+        head = sys.executable
+    elif head == "sglang-router":
+        from miles_runner.engine.router import router_executable
+
+        head = router_executable()
+    return [head, *argv[1:]]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class LocalExecutor:
+    def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
+        self.plan = plan
+        self.run_dir = Path(run_dir)
+        self.startup_timeout_s = startup_timeout_s or plan.executor.health_timeout_s
+        self.group = ProcessGroup()
+
+    def launches(self) -> list[tuple[str, Launch]]:
+        named = [(f"engine{e.index}", e.launch) for e in self.plan.engines]
+        if self.plan.router:
+            named.append(("router", self.plan.router.launch))
+        if self.plan.session:
+            named.append(("session", self.plan.session.launch))
+        return named
+
+    def check_ports(self) -> None:
+        busy = [f"{name} on {launch.host}:{launch.port}" for name, launch in self.launches()
+                if not port_is_free(launch.host, launch.port)]
+        if busy:
+            raise PortBusyError(f"ports in use, nothing was started: {', '.join(busy)}")
+
+    def prepare_model(self) -> None:
+        """Build the tiny model the plan names, if that is what it names and it is not cached yet."""
+        if self.plan.model.path.startswith("tiny:"):
+            from miles_runner.engine.tiny_model import ensure_tiny_model
+
+            built = ensure_tiny_model(self.plan.model.path.removeprefix("tiny:"))
+            if str(built) != self.plan.model_path:
+                raise RuntimeError(f"tiny model built at {built}, but the plan expects {self.plan.model_path}")
+
+    def process(self, name: str, launch: Launch) -> ManagedProcess:
+        return ManagedProcess(
+            name,
+            resolve_argv(launch.argv),
+            env=launch.env,
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            health_url=launch.url + launch.health_path if launch.health_path else None,
+            startup_timeout_s=self.startup_timeout_s,
+        )
+
+    def start(self) -> Deployment:
+        self.check_ports()
+        self.prepare_model()
+        engines = [self.process(name, launch) for name, launch in self.launches() if name.startswith("engine")]
+        try:
+            for engine in engines:  # start together: their model loads overlap
+                engine.start()
+            for engine in engines:
+                engine.wait_healthy()
+                self.group.adopt(engine)
+            for name, launch in self.launches():
+                if not name.startswith("engine"):
+                    self.group.start(self.process(name, launch))
+        except BaseException:
+            for engine in engines:
+                engine.stop()
+            self.group.stop()
+            raise
+        plan = self.plan
+        return Deployment(
+            engine_urls=[e.launch.url for e in plan.engines],
+            rollout_url=plan.rollout_url,
+            session_url=plan.session.launch.url if plan.session else None,
+            processes=list(self.group.processes),
+        )
+
+    def stop(self) -> None:
+        self.group.stop()
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

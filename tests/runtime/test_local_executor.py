@@ -1,0 +1,116 @@
+"""The local executor starts the plan's servers and leaves no process behind: on success, failure and Ctrl-C."""
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_runner.config.compose import compose
+from miles_runner.plan.compile import compile_plan
+from miles_runner.runtime.local import LocalExecutor, PortBusyError
+from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.process import ProcessStartError
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def tiny_plan(*extra: str):
+    ports = [f"engine.base_port={free_port()}", f"router.port={free_port()}", f"router.metrics_port={free_port()}"]
+    return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", *ports, *extra]))
+
+
+@pytest.mark.timeout(240)
+def test_engines_and_router_start_healthy_and_all_stop(tmp_path):
+    plan = tiny_plan("router=sglang", "topology.actor_num_gpus_per_node=2")
+    assert len(plan.engines) == 2
+    with LocalExecutor(plan, tmp_path, startup_timeout_s=180) as deployment:
+        pids = [p.pid for p in deployment.processes]
+        assert len(pids) == 3
+        assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
+        for url in deployment.engine_urls:
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert wait_gone(pids) == []
+    assert (tmp_path / "logs" / "engine0.log").exists()
+
+
+def test_busy_port_fails_before_anything_starts(tmp_path):
+    plan = tiny_plan()
+    import socket
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", plan.engines[0].launch.port))
+        blocker.listen()
+        with pytest.raises(PortBusyError, match=r"engine0 on 127\.0\.0\.1"):
+            LocalExecutor(plan, tmp_path).start()
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_component_failing_to_start_stops_the_ones_already_running(tmp_path):
+    plan = tiny_plan("session=v1", f"session.port={free_port()}")
+    # Injected fault: a session server that exits at once instead of serving.
+    broken = dataclasses.replace(plan.session.launch, argv=["python", "-c", "import sys; sys.exit(3)"])
+    plan = dataclasses.replace(plan, session=dataclasses.replace(plan.session, launch=broken))
+    executor = LocalExecutor(plan, tmp_path, startup_timeout_s=180)
+    with pytest.raises(ProcessStartError, match="exit code 3"):
+        executor.start()
+    engine_log = (tmp_path / "logs" / "engine0.log").read_text()
+    assert "miles_runner.engine.embedded" in engine_log
+    assert executor.group.processes == ()
+    assert not port_in_use(plan.engines[0].launch.port)
+
+
+def port_in_use(port: int) -> bool:
+    from miles_runner.runtime.local import port_is_free
+
+    return not port_is_free("127.0.0.1", port)
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from miles_runner.plan.record import read_plan
+    from miles_runner.runtime.local import LocalExecutor
+    with LocalExecutor(read_plan(sys.argv[1]), Path(sys.argv[2]), startup_timeout_s=180) as deployment:
+        print(json.dumps([p.pid for p in deployment.processes]), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_every_process(tmp_path):
+    import yaml
+
+    from miles_runner.plan.model import plan_to_dict
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(yaml.safe_dump(plan_to_dict(tiny_plan())))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(plan_file), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    pids = json.loads(driver.stdout.readline())
+    assert pids and all(pid_alive(p) for p in pids)
+    driver.send_signal(signal.SIGINT)
+    driver.wait(timeout=60)
+    assert wait_gone(pids) == []
