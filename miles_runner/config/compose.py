@@ -97,6 +97,7 @@ def schema_problem(issue: Any, provenance: Provenance) -> Problem:
 
 
 _OVERRIDE_RE = re.compile(r"Could not override '([^']+)'")
+_RUN_ITEM_RE = re.compile(r"^adapters\.runs\.(\d+)\.(\w+)$")
 _MISSING_RE = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 _MISSING_RECIPE_HINT = "miles-run --recipes lists them"
 
@@ -105,6 +106,13 @@ def composition_problem(message: str) -> Problem:
     """Turn Hydra's composition error into a Problem with a did-you-mean."""
     if match := _OVERRIDE_RE.search(message):
         key = match.group(1)
+        if item := _RUN_ITEM_RE.match(key):  # a field this list item does not set yet: it must be added
+            return Problem(
+                "unset-list-item-field",
+                [(key, COMMAND_LINE)],
+                f"adapter run {item.group(1)} does not set '{item.group(2)}' yet; a new field needs '++'.",
+                f"++{key}=...",
+            )
         known = list(flatten(defaults_tree())) + sorted(config_groups())
         hint = did_you_mean(key, known)
         return Problem(

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from miles_runner.config.compose import ComposedConfig
+from miles_runner.config.provenance import format_value
 from miles_runner.config.schema import MilesConfig
 from miles_runner.errors import PlanError, Problem
 from miles_runner.plan import render
@@ -51,16 +52,26 @@ def check_rules(rules: dict, composed: ComposedConfig, d: Derived | None) -> Non
         raise PlanError(problems)
 
 
+ITEM_KEY = re.compile(r"^adapters\.runs\[(\d+)\]\.(\w+)$")
+
+
 def to_problem(rule_id: str, finding: Any, composed: ComposedConfig) -> Problem:
     settings: list[tuple[str, str]] = []
     for key in finding.keys:
-        shown, origin = composed.provenance.display(re.sub(r"\[\d+\]", "", key), lookup(composed.config, key))
-        if key != re.sub(r"\[\d+\]", "", key):  # a list item: show the item's own path
-            shown = f"{key}={shown.partition('=')[2]}" if "=" in shown else key
-            shown = f"{key}={lookup(composed.config, key)}"
+        shown, origin = display_setting(key, composed)
         if (shown, str(origin)) not in settings:
             settings.append((shown, str(origin)))
     return Problem(rule_id, settings, finding.reason, finding.fix)
+
+
+def display_setting(key: str, composed: ComposedConfig) -> tuple[str, Any]:
+    """A list item (adapters.runs[i].field) shows its effective value and the origin of that item's field."""
+    cfg, provenance = composed.config, composed.provenance
+    if match := ITEM_KEY.match(key):
+        index, field = int(match.group(1)), match.group(2)
+        value = adapter_value(cfg.adapters.runs[index], field, cfg)
+        return f"{key}={format_value(value)}", provenance.origin(f"adapters.runs.{index}.{field}")
+    return provenance.display(key, lookup(cfg, key))
 
 
 def lookup(cfg: MilesConfig, path: str) -> Any:

@@ -487,6 +487,12 @@ def multi_lora_needs_adapters(cfg: MilesConfig, d: Derived) -> Iterator[Finding]
             "A bounded multi-LoRA run with no adapters has nothing to train.",
             "adapters.service_mode=true",
         )
+    if d.multi_lora_slots < 1 and cfg.adapters.service_mode:
+        yield Finding(
+            ("adapters.max_slots", "adapters.service_mode"),
+            "A multi-LoRA service with no configured adapters needs engine slots for the ones that will register.",
+            "adapters.max_slots=4",
+        )
     if cfg.adapters.max_slots and len(cfg.adapters.runs) > cfg.adapters.max_slots:
         yield Finding(
             ("adapters.runs", "adapters.max_slots"),
@@ -515,9 +521,9 @@ def adapter_fits_engine(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         rank = adapter_value(run, "rank", cfg)
         if rank <= 0 or rank > d.max_lora_rank:
             yield Finding(
-                (f"adapters.runs[{i}].rank", "adapters.rank"),
+                (f"adapters.runs[{i}].rank", "engine.max_lora_rank"),
                 f"Adapter '{run.name}' has rank {rank}; engines serve ranks 1..{d.max_lora_rank}.",
-                f"adapters.rank={max(rank, 1)}",
+                f"engine.max_lora_rank={rank}" if rank > 0 else f"++adapters.runs.{i}.rank=1",
             )
         extra = [m for m in resolved_targets(cfg, adapter_value(run, "target_modules", cfg)) if m not in served]
         if extra:
@@ -536,6 +542,9 @@ def adapter_batch_shape(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         rbs = adapter_value(run, "rollout_batch_size", cfg)
         n = adapter_value(run, "n_samples_per_prompt", cfg)
         keys = (f"adapters.runs[{i}].rollout_batch_size", f"adapters.runs[{i}].n_samples_per_prompt")
+        if rbs < 1 or n < 1:
+            yield Finding(keys, f"Adapter '{run.name}' needs at least one prompt and one sample per prompt.")
+            continue
         if rbs * n > cap:
             yield Finding(keys, f"Adapter '{run.name}': {rbs}x{n} samples exceed the cap of 4 x global batch ({cap}).")
         split = min_groups_per_dp_split(n, d.dp_size)
@@ -615,7 +624,7 @@ def embedded_engine_model_too_large(cfg: MilesConfig, d: Derived) -> Iterator[Fi
             ("engine.kind", "model.params_b"),
             f"The embedded CPU engine serves up to {cfg.engine.embedded_max_params_b}B parameters; "
             f"{cfg.model.name} has {cfg.model.params_b}B.",
-            "engine=sglang",
+            "model=tiny_moe" if cfg.cluster.cpu_only else "engine=sglang",
         )
 
 
@@ -659,20 +668,36 @@ def trainer_fits_cluster(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         )
 
 
+def largest_divisor(n: int, at_most: int) -> int:
+    return max(k for k in range(1, max(min(n, at_most), 1) + 1) if n % k == 0)
+
+
+def shrink_factor(world: int, factors: dict[str, int]) -> str:
+    """An override that makes the product of `factors` divide `world`: the first non-1 factor that can be
+    lowered to a divisor of what the others leave."""
+    for name, value in factors.items():
+        rest = 1
+        for other, v in factors.items():
+            rest *= v if other != name else 1
+        if value > 1 and world % rest == 0:
+            return f"trainer.parallel.{name}={largest_divisor(world // rest, value)}"
+    return " ".join(f"trainer.parallel.{name}=1" for name, value in factors.items() if value > 1)
+
+
 @rule("world-size-divisible-by-model-parallel")
 def world_size_divisible(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    p = cfg.trainer.parallel
-    if d.trainer_world_size % d.model_parallel:
+    p, world = cfg.trainer.parallel, d.trainer_world_size
+    if world % d.model_parallel:
         yield Finding(
             ("trainer.parallel.tp", "trainer.parallel.pp", "trainer.parallel.cp", "topology.actor_num_gpus_per_node"),
-            f"{d.trainer_world_size} trainer GPUs cannot be split into TP {p.tp} x PP {p.pp} x CP {p.cp} groups.",
-            "trainer.parallel.tp=1",
+            f"{world} trainer GPUs cannot be split into TP {p.tp} x PP {p.pp} x CP {p.cp} groups.",
+            shrink_factor(world, {"pp": p.pp, "cp": p.cp, "tp": p.tp}),
         )
-    if d.trainer_world_size % (p.ep * p.etp * p.pp):
+    if world % (p.ep * p.etp * p.pp):
         yield Finding(
             ("trainer.parallel.ep", "trainer.parallel.etp", "topology.actor_num_gpus_per_node"),
-            f"{d.trainer_world_size} trainer GPUs cannot be split into EP {p.ep} x ETP {p.etp} x PP {p.pp} groups.",
-            "trainer.parallel.ep=1",
+            f"{world} trainer GPUs cannot be split into EP {p.ep} x ETP {p.etp} x PP {p.pp} groups.",
+            shrink_factor(world, {"ep": p.ep, "etp": p.etp, "pp": p.pp}),
         )
 
 
@@ -695,30 +720,36 @@ def engines_fit_rollout_gpus(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         yield Finding(
             ("engine.tp_size", "topology.rollout_num_gpus"),
             f"{d.rollout_gpus} rollout GPUs cannot host whole engines of TP {tp}.",
-            f"engine.tp_size={max(1, d.rollout_gpus)}" if d.rollout_gpus else "topology.rollout_num_gpus=1",
+            f"engine.tp_size={largest_divisor(d.rollout_gpus, min(tp, d.slots_per_node))}"
+            if d.rollout_gpus
+            else "topology.rollout_num_gpus=1",
         )
     elif tp > d.slots_per_node and tp % d.slots_per_node:
         yield Finding(
             ("engine.tp_size", "cluster.gpus_per_node"),
             f"An engine of TP {tp} must use whole nodes of {d.slots_per_node} GPUs.",
-            f"engine.tp_size={d.slots_per_node}",
+            f"engine.tp_size={largest_divisor(d.rollout_gpus, d.slots_per_node)}",
         )
 
 
 @rule("cluster-holds-plan")
 def cluster_holds_plan(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if not d.colocated and d.trainer_world_size + d.rollout_gpus > d.total_slots:
+    if d.colocated:
+        return
+    left = d.total_slots - d.trainer_world_size
+    shrink_trainer = f"topology.actor_num_gpus_per_node={max(d.trainer_gpus_per_node // 2, 1)}"
+    if d.trainer_world_size + d.rollout_gpus > d.total_slots:
         yield Finding(
             ("topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "cluster.nodes"),
             f"Trainer ({d.trainer_world_size}) + rollout ({d.rollout_gpus}) GPUs exceed the cluster's "
             f"{d.total_slots}.",
-            f"topology.rollout_num_gpus={max(d.total_slots - d.trainer_world_size, 0)}",
+            f"topology.rollout_num_gpus={left}" if left > 0 else shrink_trainer,
         )
-    if not d.colocated and d.rollout_gpus == 0:
+    elif d.rollout_gpus == 0:
         yield Finding(
-            (TOPOLOGY, "topology.rollout_num_gpus"),
+            ("topology.actor_num_gpus_per_node", "topology.rollout_num_gpus"),
             "Disaggregated engines need GPUs of their own; the trainer takes them all.",
-            "topology=colocated",
+            shrink_trainer if d.trainer_gpus_per_node > 1 else "topology=colocated",
         )
 
 
@@ -759,19 +790,18 @@ def batch_arithmetic(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if r.max_weight_staleness < 0:
         key = "rollout.max_weight_staleness"
         yield Finding((key,), "Staleness is a count of weight versions.", f"{key}=0")
-    gbs = d.global_batch_size
+    gbs, samples = d.global_batch_size, r.rollout_batch_size * r.n_samples_per_prompt
     if d.dp_size and gbs % d.dp_size:
         yield Finding(
             ("algorithm.global_batch_size", "topology.actor_num_gpus_per_node"),
             f"A global batch of {gbs} samples does not split over DP {d.dp_size}.",
-            f"algorithm.global_batch_size={gbs - gbs % d.dp_size or d.dp_size}",
+            f"algorithm.global_batch_size={fitting_global_batch(samples, d.dp_size)}",
         )
-    samples = r.rollout_batch_size * r.n_samples_per_prompt
     if not d.multi_lora and gbs > 0 and samples % gbs:
         yield Finding(
             ("algorithm.global_batch_size", "rollout.rollout_batch_size", "rollout.n_samples_per_prompt"),
             f"Each rollout makes {samples} samples, not a whole number of global batches of {gbs}.",
-            f"algorithm.global_batch_size={samples}",
+            f"algorithm.global_batch_size={fitting_global_batch(samples, max(d.dp_size, 1))}",
         )
     if r.max_response_len > cfg.model.max_context_len:
         yield Finding(
@@ -779,6 +809,12 @@ def batch_arithmetic(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             f"Responses of {r.max_response_len} tokens exceed the model's context of {cfg.model.max_context_len}.",
             f"rollout.max_response_len={cfg.model.max_context_len // 2}",
         )
+
+
+def fitting_global_batch(samples: int, dp: int) -> int:
+    """The largest global batch that divides a rollout's samples and splits over DP (else the samples)."""
+    fits = [g for g in range(dp, samples + 1, dp) if samples % g == 0]
+    return fits[-1] if fits else samples
 
 
 @rule("ports-distinct")

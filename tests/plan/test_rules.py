@@ -1,0 +1,449 @@
+"""Every plan rule has a config it rejects and a near-identical config it accepts, driven through Hydra.
+
+Each RuleCase composes `base + bad` (must raise a PlanError naming the rule) and `base + good` (must not name
+it; in this table every good config compiles to a Plan). The rejecting case's own `fix:` line, pasted onto
+the command line, must then clear that rule. A rule added to RULES without a case here fails
+test_every_rule_has_a_case.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+
+from miles_runner.errors import PlanError, Problem
+from miles_runner.plan.rules import PRECONDITIONS, RULES
+
+
+@dataclass(frozen=True)
+class RuleCase:
+    rule_id: str
+    base_overrides: tuple[str, ...]
+    bad_overrides: tuple[str, ...]
+    good_overrides: tuple[str, ...]
+    variant: str = ""  # tells apart several cases of one rule
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.rule_id}/{self.variant}" if self.variant else self.rule_id
+
+    @property
+    def bad(self) -> list[str]:
+        return [*self.base_overrides, *self.bad_overrides]
+
+    @property
+    def good(self) -> list[str]:
+        return [*self.base_overrides, *self.good_overrides]
+
+
+# Bases: recipes, and small CPU shapes built on the default config (cpu cluster of 2 slots, tiny MoE, fsdp+peft).
+CPU: tuple[str, ...] = ()
+TINY = ("+recipe=tiny_lora_agentic",)  # session v1, in_place, colocated, one adapter
+TINY_MULTI = ("+recipe=tiny_multi_lora",)  # three adapters, disaggregated 1 + 1 slot
+QWEN05 = ("+recipe=qwen25_05b_lora",)  # megatron + bridge, one GPU, sglang
+QWEN30 = ("+recipe=qwen3_30b_a3b_r3_session",)  # 8 GPUs colocated, TP 2, EP 8, engines TP 4
+GLM = ("+recipe=glm52_lora_agentic",)  # 4 x 8 H200, ray
+MATH = ("+recipe=multi_lora_math",)  # megatron multi-LoRA, 4 train + 4 rollout GPUs, TP 2 (DP 2)
+FULL_WEIGHTS = ("adapters=none", "lora_mode=none")
+CPU_DISAGG = ("topology=disaggregated", "topology.actor_num_gpus_per_node=1")  # 1 trainer + 1 engine slot
+ASYNC = (*CPU_DISAGG, "rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
+FULLY_ASYNC = (*ASYNC, "rollout.fully_async=true")
+MULTI_ASYNC = (*TINY_MULTI, "rollout.driver=async", "algorithm.use_tis=true")
+NATIVE_RAW = ("lora_mode=raw", "model.native_lora=true")
+QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1")
+# tiny_multi_lora's adapters, the first one replaced (a whole-list override: its items set only a few keys).
+TINY_RUNS = "adapters.runs=[{first}, {{name: reverse, task: reverse}}, {{name: count, task: count}}]"
+
+# fmt: off
+CASES = [
+    # ---- preconditions (checked alone, before the rules that divide by these sizes) ----
+    RuleCase("sizes-positive", CPU, ("trainer.parallel.tp=0",), ("trainer.parallel.tp=1",)),
+    RuleCase("sizes-positive", CPU, ("cluster.cpu_slots_per_node=0",), ("cluster.cpu_slots_per_node=1",), "cpu-slots"),
+    # ---- session server and pause mode ----
+    RuleCase(
+        "session-needs-resumable-pause", TINY, ("pause_generation_mode=abort",), ("pause_generation_mode=in_place",)
+    ),
+    RuleCase(
+        "session-needs-resumable-pause", TINY,
+        ("session=v2", "pause_generation_mode=abort"), ("session=v2", "pause_generation_mode=retract"), "v2",
+    ),
+    RuleCase(
+        "session-v2-returns-sample-lists", TINY,
+        ("session=v2", "rollout.partial_rollout=true"), ("session=v1", "rollout.partial_rollout=true"),
+    ),
+    RuleCase(
+        "session-v2-returns-sample-lists", TINY,
+        ("session=v2", "rollout.group_rm=true"), ("session=v2", "rollout.group_rm=false"), "group-rm",
+    ),
+    RuleCase(
+        "tito-model-needs-session", CPU,
+        ("session.tito_model=qwen3",), ("session.tito_model=qwen3", "session=v1"),
+    ),
+    RuleCase(
+        "session-needs-adapter-on-engines", TINY,
+        ("adapters.train_only=true",), ("adapters.train_only=true", "session=off"),
+    ),
+    # ---- fully-async and the drivers ----
+    RuleCase("fully-async-needs-disaggregated", FULLY_ASYNC, ("topology=colocated",), ("topology=disaggregated",)),
+    RuleCase(
+        "fully-async-needs-resumable-pause", FULLY_ASYNC,
+        ("pause_generation_mode=abort",), ("pause_generation_mode=retract",),
+    ),
+    RuleCase("fully-async-single-adapter", MULTI_ASYNC, ("rollout.fully_async=true",), ("rollout.fully_async=false",)),
+    RuleCase(
+        "fully-async-no-partial-rollout", FULLY_ASYNC,
+        ("rollout.partial_rollout=true",), ("rollout.partial_rollout=false",),
+    ),
+    RuleCase(
+        "fully-async-needs-async-driver", (*CPU_DISAGG, "rollout.fully_async=true"),
+        ("rollout.driver=sync",), ("rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true"),
+    ),
+    RuleCase("async-driver-needs-disaggregated", ASYNC, ("topology=colocated",), ("topology=disaggregated",)),
+    RuleCase(
+        "async-needs-off-policy-correction", ASYNC,
+        ("algorithm.use_tis=false",), ("algorithm.use_tis=false", "trainer.keep_old_actor=true"),
+    ),
+    RuleCase(
+        "async-driver-is-one-step-stale", ASYNC,
+        ("rollout.max_weight_staleness=0",), ("rollout.max_weight_staleness=1",),
+    ),
+    # ---- offload and optimizer storage ----
+    RuleCase("disk-offload-needs-megatron", CPU, ("trainer.offload_target=disk",), ("trainer.offload_target=cpu",)),
+    RuleCase(
+        "disk-offload-needs-megatron", GLM,
+        ("topology.offload_train=false",), ("topology.offload_train=true",), "offload-off",
+    ),
+    RuleCase(
+        "streamed-optimizer-state-rejects-lora", CPU,
+        ("trainer.stream_optimizer_state_to_disk=true",),
+        ("trainer.stream_optimizer_state_to_disk=true", *FULL_WEIGHTS),
+    ),
+    RuleCase(
+        "rematerialize-rejects-lora", CPU,
+        ("trainer.rematerialize_param_from_master_weight=true",),
+        ("trainer.rematerialize_param_from_master_weight=true", *FULL_WEIGHTS),
+    ),
+    # ---- weight transfer ----
+    RuleCase(
+        "lora-sync-needs-broadcast", CPU_DISAGG,
+        ("weight_sync.transfer_mode=p2p",), ("weight_sync.transfer_mode=p2p", *FULL_WEIGHTS),
+    ),
+    RuleCase(
+        "lora-sync-needs-broadcast", CPU_DISAGG,
+        ("weight_sync.transfer_mode=disk-delta",), ("weight_sync.transfer_mode=broadcast",), "disk-delta",
+    ),
+    RuleCase(
+        "transfer-mode-needs-disaggregated", FULL_WEIGHTS,
+        ("weight_sync.transfer_mode=p2p",), ("weight_sync.transfer_mode=p2p", *CPU_DISAGG),
+    ),
+    # ---- LoRA modes and targets ----
+    RuleCase("lora-mode-needs-adapters", CPU, ("adapters=none",), FULL_WEIGHTS),
+    RuleCase("adapters-need-lora-mode", CPU, ("lora_mode=none",), ("lora_mode=peft",)),
+    RuleCase("adapters-need-lora-mode", QWEN05, ("lora_mode=none",), ("lora_mode=bridge",), "megatron"),
+    RuleCase("lora-mode-matches-trainer", CPU, ("lora_mode=bridge",), ("lora_mode=peft",)),
+    RuleCase("lora-mode-matches-trainer", QWEN05, ("lora_mode=peft",), ("lora_mode=bridge",), "megatron"),
+    RuleCase("raw-lora-needs-native-model", QWEN05, ("lora_mode=raw",), NATIVE_RAW),
+    RuleCase(
+        "disaggregated-lora-needs-bridge", (*QWEN05, "cluster=h100_1x8", "topology.actor_num_gpus_per_node=4"),
+        ("topology=disaggregated", *NATIVE_RAW), ("topology=colocated", *NATIVE_RAW),
+    ),
+    RuleCase(
+        "disaggregated-lora-needs-pp1", (*QWEN05, "cluster=h100_1x8", "topology.actor_num_gpus_per_node=4"),
+        ("topology=disaggregated", "trainer.parallel.pp=2"), ("topology=colocated", "trainer.parallel.pp=2"),
+    ),
+    RuleCase(
+        "ppo-critic-rejects-bridge", QWEN05,
+        ("algorithm.advantage_estimator=ppo",), ("algorithm.advantage_estimator=grpo",),
+    ),
+    RuleCase("lora-rank-positive", CPU, ("adapters.rank=0",), ("adapters.rank=16",)),
+    RuleCase("lora-rank-positive", CPU, ("adapters.alpha=0",), ("adapters.alpha=32",), "alpha"),
+    RuleCase("lora-targets-required", CPU, ("adapters.target_modules=[]",), ("adapters.target_modules=[all-linear]",)),
+    RuleCase(
+        "lora-targets-required", CPU,
+        ("adapters.exclude_modules=[q_proj,k_proj,v_proj,o_proj]",), ("adapters.exclude_modules=[o_proj]",),
+        "all-excluded",
+    ),
+    RuleCase("lora-target-unknown", CPU, ("adapters.target_modules=[q_prj]",), ("adapters.target_modules=[q_proj]",)),
+    # ---- multi-LoRA ----
+    RuleCase("multi-lora-needs-disaggregated", TINY_MULTI, ("topology=colocated",), ("topology=disaggregated",)),
+    RuleCase("multi-lora-needs-slotted-lora", MATH, NATIVE_RAW, ("lora_mode=bridge", "model.native_lora=true")),
+    RuleCase("multi-lora-needs-slotted-lora", TINY_MULTI, ("lora_mode=none",), ("lora_mode=peft",), "fsdp"),
+    RuleCase("multi-lora-needs-pp1", MATH, ("trainer.parallel.pp=2",), ("trainer.parallel.pp=1",)),
+    RuleCase("multi-lora-needs-adam", MATH, ("optimizer.name=muon",), ("optimizer.name=adam",)),
+    RuleCase(
+        "multi-lora-needs-thd", MATH, ("trainer.parallel.qkv_format=bshd",), ("trainer.parallel.qkv_format=thd",)
+    ),
+    RuleCase(
+        "multi-lora-keeps-gradients-resident", TINY_MULTI,
+        ("topology.offload_train=true",), ("topology.offload_train=false",),
+    ),
+    RuleCase(
+        "multi-lora-no-shared-outer-experts", TINY_MULTI,
+        ("adapters.experts_shared_outer=true",), ("adapters.experts_shared_outer=false",),
+    ),
+    RuleCase(
+        "multi-lora-per-adapter-loss", TINY_MULTI,
+        ("trainer.calculate_per_token_loss=true",), ("trainer.calculate_per_token_loss=false",),
+    ),
+    RuleCase(
+        "multi-lora-needs-adapters", TINY_MULTI,
+        ("adapters.runs=[]",), ("adapters.runs=[]", "adapters.service_mode=true"),
+    ),
+    RuleCase(
+        "multi-lora-needs-adapters", TINY_MULTI, ("adapters.max_slots=2",), ("adapters.max_slots=3",), "slots"
+    ),
+    RuleCase(
+        "adapter-names-unique-and-safe", TINY_MULTI,
+        ("adapters.runs.0.name=../arith",), ("adapters.runs.0.name=arith-2",), "path",
+    ),
+    RuleCase(
+        "adapter-names-unique-and-safe", TINY_MULTI,
+        ("adapters.runs.1.name=arith",), ("adapters.runs.1.name=arith_b",), "duplicate",
+    ),
+    RuleCase(
+        "adapter-names-unique-and-safe", TINY_MULTI,
+        ("adapters.runs.2.name=__miles_slot_0",), ("adapters.runs.2.name=miles_slot_0",), "reserved",
+    ),
+    RuleCase(
+        "adapter-fits-engine", (*MATH, "engine.max_lora_rank=16"),
+        ("adapters.runs.1.rank=32",), ("adapters.runs.1.rank=16",), "rank",
+    ),
+    RuleCase(
+        "adapter-fits-engine", TINY_MULTI,
+        (TINY_RUNS.format(first="{name: arith, target_modules: [gate_proj]}"),),
+        (TINY_RUNS.format(first="{name: arith, target_modules: [q_proj]}"),),
+        "targets",
+    ),
+    RuleCase(
+        "adapter-batch-shape", TINY_MULTI,
+        (TINY_RUNS.format(first="{name: arith, rollout_batch_size: 32}"),),  # 32 x 4 > 4 x (4 x 4)
+        (TINY_RUNS.format(first="{name: arith, rollout_batch_size: 16}"),),
+        "cap",
+    ),
+    RuleCase(
+        "adapter-batch-shape", MATH,
+        ("adapters.runs.0.n_samples_per_prompt=3",), ("adapters.runs.0.n_samples_per_prompt=2",), "dp-split",
+    ),
+    RuleCase(
+        "adapter-batch-shape", (*MATH, "trainer.parallel.tp=1"),  # DP 4: n=2 takes whole pairs of groups
+        ("adapters.runs.1.n_samples_per_prompt=2", "adapters.runs.1.rollout_batch_size=7"),
+        ("adapters.runs.1.n_samples_per_prompt=2", "adapters.runs.1.rollout_batch_size=8"),
+        "group-multiple",
+    ),
+    # ---- routing replay ----
+    RuleCase(
+        "routing-replay-needs-moe", ("rollout.routing_replay=true",), ("model=tiny_dense",), ("model=tiny_moe",)
+    ),
+    RuleCase(
+        "indexer-replay-needs-dsa", CPU,
+        ("rollout.indexer_replay=true",), ("rollout.indexer_replay=true", "model.has_dsa_indexer=true"),
+    ),
+    RuleCase(
+        "indexer-replay-needs-dsa", (*GLM, "rollout.indexer_replay=true"),
+        ("trainer.parallel.cp=2",), ("trainer.parallel.cp=1",), "context-parallel",
+    ),
+    # ---- cluster and arithmetic ----
+    RuleCase("cpu-cluster-runs-no-gpu-components", CPU, ("engine=sglang",), ("engine=embedded",)),
+    RuleCase(
+        "cpu-cluster-runs-no-gpu-components", CPU,
+        ("trainer=megatron", "lora_mode=bridge"), ("trainer=megatron", "lora_mode=bridge", "cluster=gpu_1x"),
+        "megatron",
+    ),
+    RuleCase(
+        "gpu-cluster-needs-gpus", CPU,
+        ("cluster.cpu_only=false",), ("cluster.cpu_only=false", "cluster.gpus_per_node=8"),
+    ),
+    RuleCase("embedded-engine-model-too-large", CPU, ("model=qwen3_4b",), ("model=qwen25_05b",)),
+    RuleCase("embedded-engine-is-one-process", CPU, ("engine.tp_size=2",), ("engine.tp_size=1",)),
+    RuleCase("embedded-engine-is-one-process", CPU, ("engine.ep_size=2",), ("engine.ep_size=1",), "ep"),
+    RuleCase("fsdp-has-no-model-parallelism", CPU, ("trainer.parallel.tp=2",), ("trainer.parallel.tp=1",)),
+    RuleCase(
+        "fsdp-has-no-model-parallelism", CPU,
+        ("trainer.parallel.ep=2",),
+        ("trainer.parallel.ep=2", "trainer=megatron", "lora_mode=bridge", "cluster=h100_1x8",
+         "topology.actor_num_gpus_per_node=2"),
+        "ep",
+    ),
+    RuleCase("trainer-fits-cluster", CPU, ("topology.actor_num_nodes=2",), ("topology.actor_num_nodes=1",)),
+    RuleCase(
+        "trainer-fits-cluster", CPU,
+        ("topology.actor_num_gpus_per_node=4",), ("topology.actor_num_gpus_per_node=2",), "gpus-per-node",
+    ),
+    RuleCase(
+        "world-size-divisible-by-model-parallel", QWEN30, ("trainer.parallel.tp=3",), ("trainer.parallel.tp=4",)
+    ),
+    RuleCase(
+        "world-size-divisible-by-model-parallel", QWEN30,
+        ("trainer.parallel.ep=16",), ("trainer.parallel.ep=8",), "expert-parallel",
+    ),
+    RuleCase(
+        "world-size-divisible-by-model-parallel", QWEN30,  # 8 GPUs: PP 3 is the culprit, not TP or EP
+        ("trainer.parallel.pp=3",), ("trainer.parallel.pp=2", "trainer.parallel.ep=4"), "pipeline",
+    ),
+    RuleCase("expert-parallel-divides-experts", QWEN30, ("engine.ep_size=3",), ("engine.ep_size=4",)),
+    RuleCase(
+        "expert-parallel-divides-experts", (*QWEN05, "cluster=h100_1x8"),
+        ("trainer.parallel.ep=2",), ("trainer.parallel.ep=1",), "dense",
+    ),
+    RuleCase("engines-fit-rollout-gpus", QWEN30, ("engine.tp_size=3",), ("engine.tp_size=8",)),
+    RuleCase(
+        "engines-fit-rollout-gpus", QWEN30_DISAGG,  # 8 trainer GPUs, 24 rollout GPUs over three nodes
+        ("engine.tp_size=12",), ("engine.tp_size=8",), "whole-nodes",
+    ),
+    RuleCase(
+        "engines-fit-rollout-gpus", (*QWEN30_DISAGG, "topology.rollout_num_gpus=12"),  # one and a half nodes
+        ("engine.tp_size=12",), ("engine.tp_size=4",), "part-node",
+    ),
+    RuleCase(
+        "cluster-holds-plan", TINY_MULTI, ("topology.rollout_num_gpus=2",), ("topology.rollout_num_gpus=1",)
+    ),
+    RuleCase(
+        "cluster-holds-plan", CPU,
+        ("topology=disaggregated",), ("topology=disaggregated", "topology.actor_num_gpus_per_node=1"),
+        "no-rollout-gpus",
+    ),
+    RuleCase(
+        "cluster-holds-plan", (*CPU_DISAGG, "topology.rollout_num_gpus=1"),
+        ("topology.actor_num_gpus_per_node=2",), ("topology.actor_num_gpus_per_node=1",), "trainer-takes-all",
+    ),
+    RuleCase("engine-model-fits-memory", GLM, ("engine.tp_size=4",), ("engine.tp_size=8",)),
+    RuleCase("local-executor-is-one-node", GLM, ("executor=local",), ("executor=ray",)),
+    RuleCase(
+        "batch-arithmetic", CPU, ("rollout.rollout_batch_size=0",), ("rollout.rollout_batch_size=1",), "rollout-size"
+    ),
+    RuleCase("batch-arithmetic", CPU, ("algorithm.num_steps=0",), ("algorithm.num_steps=1",), "num-steps"),
+    RuleCase(
+        "batch-arithmetic", CPU,
+        ("rollout.max_weight_staleness=-1",), ("rollout.max_weight_staleness=0",), "staleness",
+    ),
+    RuleCase(
+        "batch-arithmetic", CPU, ("algorithm.global_batch_size=3",), ("algorithm.global_batch_size=4",), "dp-split"
+    ),
+    RuleCase(
+        "batch-arithmetic", CPU,
+        ("algorithm.global_batch_size=64",), ("algorithm.global_batch_size=32",), "whole-batches",
+    ),
+    RuleCase(
+        "batch-arithmetic", CPU, ("rollout.max_response_len=4096",), ("rollout.max_response_len=1024",), "context"
+    ),
+    RuleCase("ports-distinct", TINY, ("session.port=30010",), ("session.port=30110",)),
+    RuleCase(
+        "ports-distinct", (*TINY, "router=sglang"), ("router.port=30001",), ("router.port=30000",), "router-session"
+    ),
+]
+# fmt: on
+
+# Rejections whose `fix:` is not an override to paste: the rule gives none for a single list item.
+FIX_NOT_PASTEABLE = {
+    "adapter-names-unique-and-safe/path": "a bad list-item name has no fix line (the user picks a new name)",
+    "adapter-names-unique-and-safe/duplicate": "a duplicate list-item name has no fix line",
+    "adapter-names-unique-and-safe/reserved": "a reserved list-item name has no fix line",
+    "adapter-batch-shape/cap": "per-adapter batch shapes have no fix line (list item)",
+    "adapter-batch-shape/dp-split": "per-adapter batch shapes have no fix line (list item)",
+    "adapter-batch-shape/group-multiple": "per-adapter batch shapes have no fix line (list item)",
+}
+# Fixes that do not clear their rule: bugs in the rule, documented here until fixed (see the report).
+FIX_BUGS: dict[str, str] = {}  # case id -> reason, for fixes known not to clear their rule
+
+
+def case_params(cases: list[RuleCase], marks: dict[str, pytest.MarkDecorator] | None = None) -> list:
+    marks = marks or {}
+    return [pytest.param(c, id=c.case_id, marks=[marks[c.case_id]] if c.case_id in marks else []) for c in cases]
+
+
+def rule_ids(problems: list) -> set[str]:
+    return {p.rule for p in problems}
+
+
+def test_every_rule_has_a_case():
+    covered = {c.rule_id for c in CASES}
+    missing = sorted((set(RULES) | set(PRECONDITIONS)) - covered)
+    assert not missing, f"rules without a RuleCase in tests/plan/test_rules.py: {missing}"
+
+
+def test_every_case_names_a_real_rule():
+    assert {c.rule_id for c in CASES} <= set(RULES) | set(PRECONDITIONS)
+
+
+def test_case_ids_are_unique():
+    ids = [c.case_id for c in CASES]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_bad_config_is_rejected_by_its_rule(case, outcome):
+    result = outcome(case.bad)
+    assert isinstance(result, PlanError), f"{case.bad} compiled to a Plan"
+    assert case.rule_id in rule_ids(result.problems), str(result)
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_good_config_compiles(case, plan):
+    plan(case.good)
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_rejection_names_settings_reason_and_origin(case, problems):
+    for problem in (p for p in problems(case.bad) if p.rule == case.rule_id):
+        assert problem.settings, problem
+        assert problem.reason.strip(), problem
+        for setting, origin in problem.settings:
+            assert "=" in setting, problem
+            assert origin.startswith(("default", "group option", "recipe", "command line")), problem
+
+
+def fix_marks() -> dict[str, pytest.MarkDecorator]:
+    skips = {k: pytest.mark.skip(reason=v) for k, v in FIX_NOT_PASTEABLE.items()}
+    return skips | {k: pytest.mark.xfail(strict=True, reason=v) for k, v in FIX_BUGS.items()}
+
+
+@pytest.mark.parametrize("case", case_params(CASES, fix_marks()))
+def test_pasting_the_fix_clears_the_rule(case, problems):
+    fixes = [p.fix for p in problems(case.bad) if p.rule == case.rule_id]
+    assert fixes and all(fixes), f"{case.case_id}: the rejection offers no fix"
+    pasted = [override for fix in dict.fromkeys(fixes) for override in fix.split(" ")]
+    assert case.rule_id not in rule_ids(problems([*case.bad, *pasted])), pasted
+
+
+# ---- how list items (adapters.runs[i]) are shown ----
+
+
+
+def problem_of(rule_id: str, overrides: list[str], problems) -> Problem:
+    return next(p for p in problems(overrides) if p.rule == rule_id)
+
+
+def test_list_item_set_on_the_command_line_is_shown_as_such(problems):
+    problem = problem_of("adapter-names-unique-and-safe", [*TINY_MULTI, "adapters.runs.0.name=../arith"], problems)
+    assert problem.settings == [("adapters.runs[0].name=../arith", "command line")]
+
+
+@pytest.mark.parametrize(
+    ("rule_id", "overrides"),
+    [
+        ("adapter-fits-engine", [*TINY_MULTI, TINY_RUNS.format(first="{name: arith, target_modules: [gate_proj]}")]),
+        ("adapter-batch-shape", [*TINY_MULTI, TINY_RUNS.format(first="{name: arith, rollout_batch_size: 32}")]),
+    ],
+    ids=["list-value", "inherited-value"],
+)
+def test_list_item_values_are_shown_in_override_syntax(rule_id, overrides, problems):
+    shown = " ".join(setting for setting, _ in problem_of(rule_id, overrides, problems).settings)
+    assert "'" not in shown and "None" not in shown, shown
+
+
+def test_unset_list_item_field_gets_a_working_hint(problems):
+    problem = problem_of("unset-list-item-field", [*TINY_MULTI, "adapters.runs.0.rollout_batch_size=32"], problems)
+    assert "adapters.runs.0.rollout_batch_size" in problem.fix, problem
+
+
+# ---- combinations that once slipped through ----
+
+
+
+def test_service_mode_needs_at_least_one_slot(problems):
+    found = problems([*TINY_MULTI, "adapters.runs=[]", "adapters.service_mode=true", "adapters.max_slots=0"])
+    assert any(s.startswith("adapters.max_slots=") for p in found for s, _ in p.settings), found
+
+
+def test_adapter_needs_at_least_one_prompt(problems):
+    found = problems([*TINY_MULTI, TINY_RUNS.format(first="{name: arith, rollout_batch_size: 0}")])
+    assert "adapter-batch-shape" in rule_ids(found)
