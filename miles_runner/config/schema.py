@@ -77,8 +77,8 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    vocab_size: int = 512
-    num_experts: int = 4  # 0 for a dense model
+    vocab_size: int = 400
+    num_experts: int = 8  # 0 for a dense model
     moe_topk: int = 2
     params_b: float = 0.0003  # total parameters, billions
     active_params_b: float = 0.0002

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from miles_runner.engine.router import router_executable, wait_for_workers
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.render import PYTHON
 from miles_runner.runtime.process import ManagedProcess, ProcessGroup
@@ -38,8 +39,6 @@ def resolve_argv(argv: list[str]) -> list[str]:
     if head == PYTHON:
         head = sys.executable
     elif head == "sglang-router":
-        from miles_runner.engine.router import router_executable
-
         head = router_executable()
     return [head, *argv[1:]]
 
@@ -106,7 +105,10 @@ class LocalExecutor:
                 self.group.adopt(engine)
             for name, launch in self.launches():
                 if not name.startswith("engine"):
-                    self.group.start(self.process(name, launch))
+                    self.group.start(process := self.process(name, launch))
+                if name == "router":  # it answers /health at once, but drops engines it could not reach
+                    wait_for_workers(process, launch.url, [e.launch.url for e in self.plan.engines],
+                                     self.startup_timeout_s)
         except BaseException:
             for engine in engines:
                 engine.stop()

@@ -1,0 +1,399 @@
+"""One async client for SGLang's HTTP protocol: real SGLang, the embedded engine, or a router in front.
+
+Every payload is one that real SGLang accepts (reference: sglang-api.md); optional fields are sent only when
+they carry a non-default value, so older builds that lack them keep working. Errors come back typed:
+`EngineError` for an HTTP error answer (either SGLang error envelope), `EngineUnavailable` when the engine
+could not be reached or did not answer in time.
+
+Abort, pause, weight and LoRA calls must go to each engine, never through the router (it does not fan them
+out); `miles_runner.engine.router.list_workers` gives the engine URLs behind a router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class EngineError(Exception):
+    """The engine answered with an HTTP error; `message` is taken from whichever error envelope it used."""
+
+    def __init__(self, status_code: int, message: str, body: Any = None) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.body = body
+
+
+class EngineUnavailable(Exception):
+    """The engine could not be reached, dropped the connection, or did not answer within the timeout."""
+
+
+def error_message(body: Any, fallback: str) -> str:
+    """The human-readable message of an SGLang error body.
+
+    Native routes: `{"error": {"message"}}`; OpenAI routes: `{"object": "error", "message"}`; LoRA updates:
+    `{"success": false, "error_message"}`; FastAPI validation: `{"detail": [...]}`; flush_cache: plain text.
+    """
+    if isinstance(body, Mapping):
+        nested = body.get("error")
+        if isinstance(nested, Mapping) and nested.get("message"):
+            return str(nested["message"])
+        for key in ("message", "error_message", "detail"):
+            value = body.get(key)
+            if value:
+                return value if isinstance(value, str) else json.dumps(value)
+    if isinstance(body, str) and body.strip():
+        return body.strip()
+    return fallback
+
+
+class EngineClient:
+    """Async client of one SGLang-protocol server at `base_url` (an engine or a router).
+
+    `timeout_s` is the default per-call timeout (None: wait forever); paused engines hold requests until
+    continue, so rollout clients want it generous. `api_key` is sent as a bearer token on every call.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        max_connections: int = 1024,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            trust_env=False,  # engines are reached directly; a proxy from the environment would break that
+        )
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url!r})"
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    async def generate(
+        self, payload: Mapping[str, Any], *, routing_key: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST /generate: one result dict, or a list for a batch or n > 1 (in input order)."""
+        if payload.get("stream"):
+            raise ValueError("generate() does not stream; use generate_stream()")
+        return await self._call("POST", "/generate", json=payload, routing_key=routing_key, timeout_s=timeout_s)
+
+    async def generate_stream(
+        self, payload: Mapping[str, Any], *, routing_key: str | None = None, timeout_s: float | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """POST /generate with `stream: true`: yields each SSE event (cumulative by default) until [DONE].
+
+        Leaving the loop early closes the connection, which makes SGLang abort the request.
+        """
+        async with self.stream_request(
+            "POST",
+            "/generate",
+            json={**payload, "stream": True},
+            headers=_routing_headers(routing_key),
+            timeout_s=timeout_s,
+        ) as response:
+            if response.is_error:
+                await response.aread()
+                raise engine_error(response)
+            async for event in _sse_events(response):
+                if "error" in event:  # SGLang reports a ValueError raised mid-stream as a data event
+                    raise EngineError(400, error_message(event, "stream error"), event)
+                yield event
+
+    async def chat_completions(
+        self, body: Mapping[str, Any], *, routing_key: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/chat/completions (non-streaming; a proxy that streams uses `stream_request`)."""
+        if body.get("stream"):
+            raise ValueError("chat_completions() does not stream; use stream_request() to proxy a stream")
+        return await self._call("POST", "/v1/chat/completions", json=body, routing_key=routing_key, timeout_s=timeout_s)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        content: bytes | None = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        """A raw call for proxies: returns the response whatever its status; raises only EngineUnavailable."""
+        with _unavailable_on_transport_error(f"{self.base_url}{path}"):
+            return await self._http.request(
+                method,
+                path,
+                json=json,
+                headers=headers,
+                content=content,
+                params=params,
+                timeout=_timeout(timeout_s),
+            )
+
+    @contextlib.asynccontextmanager
+    async def stream_request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[httpx.Response]:
+        """Like `request`, but the body is read as it arrives (`aiter_lines`, `aiter_raw`): for streams.
+        Transport failures, also while reading, raise EngineUnavailable."""
+        with _unavailable_on_transport_error(f"{self.base_url}{path}"):
+            async with self._http.stream(
+                method, path, json=json, headers=headers, timeout=_timeout(timeout_s)
+            ) as response:
+                yield response
+
+    # ---- abort, pause, cache --------------------------------------------------------------------------
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> None:
+        """POST /abort_request. SGLang aborts every request whose rid starts with `rid`, but only when `rid`
+        exactly matches a tracked request, unless `prefix` is set (sglang-miles builds and the embedded
+        engine). Aborted requests return to their callers with finish_reason type "abort"."""
+        if not rid and not abort_all:
+            raise ValueError("abort_request needs a rid or abort_all=True")
+        body: dict[str, Any] = {"rid": rid, "abort_all": abort_all}
+        if prefix:
+            body["prefix"] = True
+        await self._call("POST", "/abort_request", json=body)
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """POST /pause_generation: "abort" (in-flight requests come back aborted), "retract" (recomputed after
+        continue) or "in_place" (kept with their KV). New requests are held until continue_generation."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return await self._call("POST", "/pause_generation", json={"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._call("POST", "/continue_generation", json={})
+
+    async def flush_cache(self) -> bool:
+        """POST /flush_cache: True once flushed, False when the engine is busy (SGLang answers 400 while any
+        request is running or waiting, including requests kept by an in-place pause)."""
+        response = await self.request("POST", "/flush_cache")
+        if response.status_code == 400:
+            return False
+        if response.is_error:
+            raise engine_error(response)
+        return True
+
+    # ---- LoRA ---------------------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> dict[str, Any]:
+        """POST /load_lora_adapter; returns LoRAUpdateOutput (`loaded_adapters`). A loaded name is a 400."""
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        if pinned:
+            body["pinned"] = True
+        return await self._call("POST", "/load_lora_adapter", json=body)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return await self._call("POST", "/unload_lora_adapter", json={"lora_name": name})
+
+    async def load_lora_adapter_from_tensors(
+        self, name: str, config: Mapping[str, Any], serialized: str, *, pinned: bool = False
+    ) -> dict[str, Any]:
+        """POST /load_lora_adapter_from_tensors: `config` is the PEFT adapter_config dict, `serialized` the
+        MultiprocessingSerializer string of {name: tensor} (same node only)."""
+        body: dict[str, Any] = {
+            "lora_name": name,
+            "config_dict": dict(config),
+            "serialized_tensors": serialized,
+        }
+        if pinned:
+            body["pinned"] = True
+        return await self._call("POST", "/load_lora_adapter_from_tensors", json=body)
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_disk; a failed update is a 400 (EngineError)."""
+        body = _weight_update_body(weight_version, flush_cache, abort_all_requests)
+        return await self._call(
+            "POST",
+            "/update_weights_from_disk",
+            json={"model_path": str(model_path), **body},
+            timeout_s=timeout_s,
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_tensor: one MultiprocessingSerializer string per TP rank."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            **_weight_update_body(weight_version, flush_cache, abort_all_requests),
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._call("POST", "/update_weights_from_tensor", json=body, timeout_s=timeout_s)
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> dict[str, Any]:
+        # abort_all_requests is always sent: its default flipped from false to true between SGLang versions.
+        return await self._call(
+            "POST",
+            "/update_weight_version",
+            json={"new_version": version, "abort_all_requests": abort_all_requests},
+        )
+
+    # ---- health and info ----------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        return await self._answers_ok("/health")
+
+    async def health_generate(self) -> bool:
+        return await self._answers_ok("/health_generate")
+
+    async def model_info(self) -> dict[str, Any]:
+        """GET /model_info, or /get_model_info on builds that predate the new path."""
+        return await self._get_with_legacy_path("/model_info", "/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        """GET /server_info, or /get_server_info on older builds."""
+        return await self._get_with_legacy_path("/server_info", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info())["weight_version"])
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """GET /v1/models: the base model card, then one card per loaded LoRA adapter."""
+        return (await self._call("GET", "/v1/models"))["data"]
+
+    async def wait_healthy(self, timeout_s: float = 120.0, *, poll_s: float = 0.5) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() >= deadline:
+                raise EngineUnavailable(f"{self.base_url} was not healthy within {timeout_s:g} s")
+            await asyncio.sleep(poll_s)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # ---- plumbing -----------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        routing_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        response = await self.request(
+            method, path, json=json, headers=_routing_headers(routing_key), timeout_s=timeout_s
+        )
+        if response.is_error:
+            raise engine_error(response)
+        return _body(response)
+
+    async def _answers_ok(self, path: str) -> bool:
+        try:
+            return (await self.request("GET", path)).status_code == 200
+        except EngineUnavailable:
+            return False
+
+    async def _get_with_legacy_path(self, path: str, legacy_path: str) -> dict[str, Any]:
+        response = await self.request("GET", path)
+        if response.status_code == 404:
+            response = await self.request("GET", legacy_path)
+        if response.is_error:
+            raise engine_error(response)
+        return _body(response)
+
+
+@contextlib.contextmanager
+def _unavailable_on_transport_error(where: str) -> Iterator[None]:
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise EngineUnavailable(f"{where}: timed out ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:
+        raise EngineUnavailable(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _timeout(timeout_s: float | None) -> Any:
+    return httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
+
+
+def _routing_headers(routing_key: str | None) -> dict[str, str] | None:
+    return {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+
+
+def _weight_update_body(weight_version: str | None, flush_cache: bool, abort_all_requests: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
+
+
+def _body(response: httpx.Response) -> Any:
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def engine_error(response: httpx.Response) -> EngineError:
+    """The typed error for an HTTP error answer (for callers of `request`)."""
+    body = _body(response)
+    return EngineError(response.status_code, error_message(body, response.reason_phrase), body)
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)

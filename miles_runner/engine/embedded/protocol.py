@@ -1,0 +1,162 @@
+"""Request bodies with SGLang's field names (io_struct.py, openai/protocol.py). Unknown keys are ignored, as
+SGLang's dataclasses ignore them for the native routes; wrong types are rejected naming the field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SamplingParams(_Body):
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    sampling_seed: int | None = None
+    # Accepted and not applied by the embedded engine (documented in README of the engine package).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    custom_params: dict[str, Any] | None = None
+    # Constrained decoding is refused with a 400 rather than silently ignored.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+
+class GenerateReqInput(_Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    input_embeds: Any = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    lora_path: str | list[str | None] | None = None
+    extra_key: str | list[str] | None = None
+    custom_logit_processor: str | list[str | None] | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_hidden_states: bool = False
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage]
+    model: str = "default"
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    lora_path: str | None = None
+    rid: str | None = None
+    extra_key: str | None = None
+    input_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    return_meta_info: bool = False
+    return_prompt_token_ids: bool = False
+    return_token_ids: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_cached_tokens_details: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+class AbortReqInput(_Body):
+    rid: str = ""
+    abort_all: bool = False
+    prefix: bool = False  # sglang-miles branch: abort every rid that starts with ``rid``
+
+
+class PauseGenerationReqInput(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(_Body):
+    torch_empty_cache: bool = True
+
+
+class LoadLoRAAdapterReqInput(_Body):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(_Body):
+    lora_name: str
+
+
+class LoadLoRAAdapterFromTensorsReqInput(_Body):
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    load_format: str | None = None
+
+
+class _WeightUpdate(_Body):
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    load_format: str | None = None
+
+
+class UpdateWeightFromDiskReqInput(_WeightUpdate):
+    model_path: str
+
+
+class UpdateWeightsFromTensorReqInput(_WeightUpdate):
+    serialized_named_tensors: list[str] = Field(min_length=1)
+
+
+class UpdateWeightVersionReqInput(_Body):
+    new_version: str
+    abort_all_requests: bool = True

@@ -1,0 +1,72 @@
+"""Starting an engine from the argv the plan rendered, health-checked, as a supervised process.
+
+Real SGLang (`python -m sglang.launch_server ...`, GPU) and the embedded engine
+(`python -m miles_runner.engine.embedded ...`, CPU) take the same flags, so one launcher serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_runner.runtime.ports import LOOPBACK
+from miles_runner.runtime.process import ManagedProcess
+
+HEALTH_PATHS = ("/health", "/health_generate")
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def argv_flag(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `--flag VALUE` or `--flag=VALUE` in an argv (the last one wins, as with argparse)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def engine_url(argv: Sequence[str], port: int) -> str:
+    """Where the engine started from `argv` answers (an engine bound to all addresses: on loopback)."""
+    host = argv_flag(argv, "--host") or LOOPBACK
+    return f"http://{LOOPBACK if host in _ANY_ADDRESS else host}:{port}"
+
+
+def engine_process(
+    argv: Sequence[str],
+    *,
+    port: int,
+    log_path: str | Path,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 600.0,
+    health_path: str = "/health",
+    name: str | None = None,
+) -> ManagedProcess:
+    """The supervised engine process, not yet started: start several, then wait for each, to overlap their
+    start-up. ValueError if `port` is not the `--port` in `argv`."""
+    if health_path not in HEALTH_PATHS:
+        raise ValueError(f"health_path must be one of {HEALTH_PATHS}, got {health_path!r}")
+    if argv_flag(argv, "--port") != str(port):
+        raise ValueError(f"argv has --port {argv_flag(argv, '--port')}, but the engine is expected on {port}")
+    return ManagedProcess(
+        name or f"engine:{port}",
+        argv,
+        env=env,
+        log_path=log_path,
+        health_url=engine_url(argv, port) + health_path,
+        startup_timeout_s=timeout_s,
+    )
+
+
+def start_engine(argv: Sequence[str], *, port: int, log_path: str | Path, **options: Any) -> ManagedProcess:
+    """Start the engine and wait until its health path answers 200 (`options` as for `engine_process`).
+
+    Raises ProcessStartError (exit code and log tail, process group stopped) if it exits or is not healthy
+    within `timeout_s`.
+    """
+    process = engine_process(argv, port=port, log_path=log_path, **options)
+    process.start()
+    process.wait_healthy()
+    return process

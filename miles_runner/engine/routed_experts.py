@@ -1,0 +1,51 @@
+"""The one place for the R3 (routing replay) wire format, shared by engine, session server and rollout.
+
+SGLang returns ``meta_info.routed_experts`` as standard base64 (with padding) of the raw bytes of a
+C-contiguous int32 array shaped ``(rows, num_layers, top_k)``, little-endian, where
+``rows = prompt_tokens + completion_tokens - 1 - routed_experts_start_len``: the last sampled token is never
+forwarded, so it has no row. Dense layers read as 0. The payload is flat, so a reader must know
+``num_layers`` and infers ``top_k`` from the size (miles-spec §5).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+ROUTED_EXPERTS_DTYPE = np.dtype("<i4")
+
+
+def encode_routed_experts(arr: np.ndarray) -> str:
+    """Encode a ``(rows, layers, topk)`` int32 array as base64 of its raw little-endian bytes."""
+    if arr.ndim != 3:
+        raise ValueError(f"routed experts must be 3-D (rows, layers, topk), got shape {arr.shape}")
+    if arr.dtype != np.int32:
+        raise ValueError(f"routed experts must be int32, got {arr.dtype}")
+    return base64.b64encode(np.ascontiguousarray(arr, dtype=ROUTED_EXPERTS_DTYPE).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(b64: str, num_tokens: int, num_layers: int) -> np.ndarray:
+    """Decode a payload into ``(num_tokens, num_layers, topk)`` int32, ``topk`` inferred from the size.
+
+    ``num_tokens`` is the number of rows expected (usually ``len(tokens) - 1 - start``). An empty
+    ``(0, num_layers, 0)`` comes back for ``num_tokens <= 0``. A payload with exactly one extra row (the
+    stop-edge row some engine builds emit) has that row dropped. Any other size is a ``ValueError``.
+    """
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+    if num_tokens <= 0:
+        return np.zeros((0, num_layers, 0), dtype=np.int32)
+    raw = base64.b64decode(b64)
+    if len(raw) % ROUTED_EXPERTS_DTYPE.itemsize:
+        raise ValueError(f"routed experts payload has {len(raw)} bytes, not a whole number of int32 values")
+    flat = np.frombuffer(raw, dtype=ROUTED_EXPERTS_DTYPE).astype(np.int32)
+    topk = flat.size // (num_tokens * num_layers)
+    if topk > 0 and flat.size == (num_tokens + 1) * num_layers * topk:
+        flat = flat[: num_tokens * num_layers * topk]
+    if topk == 0 or flat.size != num_tokens * num_layers * topk:
+        raise ValueError(
+            f"routed experts payload has {flat.size} int32 values, which is not num_tokens ({num_tokens}) "
+            f"x num_layers ({num_layers}) x topk for any topk >= 1 (nor one stop-edge row more)"
+        )
+    return flat.reshape(num_tokens, num_layers, topk)

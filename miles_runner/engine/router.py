@@ -1,0 +1,129 @@
+"""The real `sglang-router` (sglang-router 0.3.2 from PyPI; runs on CPU) in front of N engines.
+
+Policies of 0.3.2: random, round_robin, cache_aware (default), power_of_two, and manual, which keeps every
+request carrying the same `X-SMG-Routing-Key` header on one worker (new keys are assigned per
+`--assignment-mode`, random by default; requests without the header go to a random worker). 0.3.2 has no
+consistent-hashing policy on its command line.
+
+The router does not fan out abort, pause, weight or LoRA calls: send those to each engine from
+`list_workers`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from miles_runner.engine.client import EngineClient, engine_error
+from miles_runner.plan import render
+from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.runtime.process import ManagedProcess
+
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+STICKY_POLICY = "manual"
+
+
+def router_executable() -> str:
+    """The `sglang-router` console script of this interpreter's environment (else the one on PATH)."""
+    beside_python = Path(sys.executable).with_name("sglang-router")
+    found = str(beside_python) if beside_python.exists() else shutil.which("sglang-router")
+    if found is None:
+        raise FileNotFoundError("sglang-router is not installed: pip install sglang-router==0.3.2")
+    return found
+
+
+def router_argv(
+    host: str,
+    port: int,
+    worker_urls: Sequence[str],
+    policy: str = "cache_aware",
+    extra: Sequence[str] = (),
+    *,
+    metrics_port: int,
+    executable: str = "sglang-router",
+) -> list[str]:
+    """The router's command line. Its Prometheus exporter (on by default, 0.0.0.0:29000) is bound to `host`
+    on `metrics_port`, so that several routers can run on one machine and nothing listens beyond `host`."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"sglang-router 0.3.2 policies are {ROUTER_POLICIES}, got {policy!r}")
+    if not worker_urls:
+        raise ValueError("the router needs at least one worker URL")
+    argv = render.router_argv(host, port, policy, list(worker_urls), metrics_port=metrics_port)
+    return [executable, *argv[1:], *extra]
+
+
+def start_router(
+    worker_urls: Sequence[str],
+    *,
+    port: int,
+    log_path: str | Path,
+    policy: str = "cache_aware",
+    extra: Sequence[str] = (),
+    host: str = LOOPBACK,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> ManagedProcess:
+    """Start the router in front of running, healthy engines; return once it answers /health and lists
+    every one of `worker_urls` (a worker it cannot reach at start is silently left out, so this checks)."""
+    argv = router_argv(
+        host, port, worker_urls, policy, extra, metrics_port=free_port(host), executable=router_executable()
+    )
+    url = f"http://{host}:{port}"
+    process = ManagedProcess(
+        f"router:{port}",
+        argv,
+        env=env,
+        log_path=log_path,
+        health_url=f"{url}/health",
+        startup_timeout_s=timeout_s,
+    )
+    process.start()
+    process.wait_healthy()
+    wait_for_workers(process, url, worker_urls, timeout_s)
+    return process
+
+
+def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Sequence[str], timeout_s: float) -> None:
+    """Block until the router lists every one of `worker_urls`; else stop it and raise ProcessStartError.
+
+    The router answers /health at once and silently leaves out a worker it could not reach at start."""
+    expected = {worker.rstrip("/") for worker in worker_urls}
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=router_url, timeout=5.0, trust_env=False) as http:
+        while (registered := set(_registered_workers(http))) != expected:
+            if not router.alive or time.monotonic() >= deadline:
+                missing = sorted(expected - registered)
+                raise router.start_failed(f"did not register workers {missing} within {timeout_s:g} s")
+            time.sleep(0.2)
+
+
+def worker_urls_of(body: Any) -> list[str]:
+    """Worker URLs from GET /workers (`{"workers": [{"url"}]}`) or legacy GET /list_workers (`{"urls"}`)."""
+    if "workers" in body:
+        return [worker["url"].rstrip("/") for worker in body["workers"]]
+    return [url.rstrip("/") for url in body["urls"]]
+
+
+async def list_workers(router_url: str, *, timeout_s: float = 10.0) -> list[str]:
+    """The engine URLs behind a router: GET /workers, or /list_workers on routers that predate it."""
+    async with EngineClient(router_url, timeout_s=timeout_s) as router:
+        response = await router.request("GET", "/workers")
+        if response.status_code == 404:
+            response = await router.request("GET", "/list_workers")
+        if response.is_error:
+            raise engine_error(response)
+        return worker_urls_of(response.json())
+
+
+def _registered_workers(http: httpx.Client) -> list[str]:
+    try:
+        response = http.get("/workers")
+    except httpx.HTTPError:
+        return []
+    return worker_urls_of(response.json()) if response.status_code == 200 else []

@@ -1,0 +1,242 @@
+"""Supervised child processes: each in its own process group, health-checked, and stopped as a whole group.
+
+Every process started here is also stopped at interpreter exit (atexit), so a crashed driver or a failed test
+leaves nothing behind. A parent killed with SIGKILL cannot run that safety net; nothing can, short of a
+supervisor above it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+LOG_TAIL_LINES = 40
+_POLL_S = 0.2
+_TAIL_BYTES = 64 * 1024
+_PROC = Path("/proc")
+_running: set[ManagedProcess] = set()
+
+
+class ProcessStartError(RuntimeError):
+    """A supervised process exited early or never became healthy; the message has exit code and log tail."""
+
+
+class ManagedProcess:
+    """One child process, started in a new session (so it leads its own process group) with output in a log.
+
+    `env` adds to (or overrides) the parent's environment. `health_url` is polled with GET until it answers
+    200 (each probe waits at most `health_timeout_s`, all probes together at most `startup_timeout_s`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        log_path: str | Path,
+        health_url: str | None = None,
+        startup_timeout_s: float = 120.0,
+        health_timeout_s: float = 5.0,
+    ) -> None:
+        self.name = name
+        self.argv = [str(arg) for arg in argv]
+        self.env = dict(env or {})
+        self.cwd = cwd
+        self.log_path = Path(log_path)
+        self.health_url = health_url
+        self.startup_timeout_s = startup_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self._popen: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, alive={self.alive})"
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll() if self._popen else None
+
+    def start(self) -> ManagedProcess:
+        if self._popen is not None:
+            raise RuntimeError(f"{self.name} was already started (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"# {self.name}: {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        _running.add(self)
+        return self
+
+    def wait_healthy(self) -> None:
+        """Block until `health_url` answers 200; on early exit or timeout stop the group and raise."""
+        if self._popen is None:
+            raise RuntimeError(f"{self.name} was never started")
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=self.health_timeout_s, trust_env=False) as http:
+            while True:
+                if not self.alive:
+                    raise self.start_failed("exited before it was healthy")
+                if self.health_url is None or _answers_ok(http, self.health_url):
+                    return
+                if time.monotonic() >= deadline:
+                    raise self.start_failed(f"was not healthy at {self.health_url} within {self.startup_timeout_s:g} s")
+                time.sleep(_POLL_S)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL what is left after `timeout_s`; returns the exit code."""
+        if self._popen is None:
+            return None
+        _running.discard(self)
+        group = self._popen.pid  # the child leads its own group (start_new_session)
+        deadline = time.monotonic() + timeout_s
+        _signal_group(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(max(deadline - time.monotonic(), 0))
+        # Grandchildren may outlive the leader; they get the rest of the grace period, then SIGKILL.
+        if not _wait_group_gone(group, deadline):
+            _signal_group(group, signal.SIGKILL)
+        return self._popen.wait()
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(max(log.seek(0, os.SEEK_END) - _TAIL_BYTES, 0))
+                text = log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log file)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def start_failed(self, reason: str) -> ProcessStartError:
+        """Stop the process (group) and return the error to raise: reason, exit code and log tail."""
+        code = self.stop()
+        return ProcessStartError(
+            f"{self.name} {reason} (exit code {code})\n"
+            f"--- last {LOG_TAIL_LINES} lines of {self.log_path} ---\n{self.log_tail()}"
+        )
+
+    def __enter__(self) -> ManagedProcess:
+        self.start()
+        self.wait_healthy()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class ProcessGroup:
+    """Processes started in order, each healthy before the next, and stopped in reverse order.
+
+    If one fails to start, the ones already running are stopped before the error propagates.
+    """
+
+    def __init__(self) -> None:
+        self._processes: list[ManagedProcess] = []
+
+    @property
+    def processes(self) -> tuple[ManagedProcess, ...]:
+        return tuple(self._processes)
+
+    def start(self, *processes: ManagedProcess) -> None:
+        for process in processes:
+            try:
+                process.start()
+                process.wait_healthy()
+            except BaseException:
+                process.stop()
+                self.stop()
+                raise
+            self._processes.append(process)
+
+    def adopt(self, process: ManagedProcess) -> ManagedProcess:
+        """Take over a process that is already running and healthy (e.g. from `start_engine`)."""
+        self._processes.append(process)
+        return process
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        while self._processes:
+            self._processes.pop().stop(timeout_s)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _answers_ok(http: httpx.Client, url: str) -> bool:
+    try:
+        return http.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return _has_live_member(group)
+
+
+def _has_live_member(group: int) -> bool:
+    """killpg(0) also counts zombies, which a container's init may reap only seconds later; /proc does not."""
+    if not _PROC.is_dir():
+        return True
+    for stat in _PROC.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
+def _wait_group_gone(group: int, deadline: float) -> bool:
+    while _group_exists(group):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@atexit.register
+def _stop_all_running() -> None:
+    for process in list(_running):
+        process.stop(timeout_s=5.0)
