@@ -59,11 +59,11 @@ def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: 
     s = cfg.session
     argv = [PYTHON, "-m", "miles_runner.session.server", "--engine-url", upstream_url, "--model-path", d.model_path]
     argv += ["--host", s.host, "--port", str(s.port), "--version", s.version]
-    argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--timeout", str(s.upstream_timeout_s)]
+    argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
     if lora_path:
         argv += ["--lora-path", lora_path]
     if cfg.rollout.routing_replay:
-        argv.append("--return-routed-experts")
+        argv.append("--routed-experts")
     if d.use_addition_r3:
         argv.append("--addition-r3")
     return argv

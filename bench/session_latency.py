@@ -1,0 +1,117 @@
+"""Added latency of the session server per turn, against calling the engine directly.
+
+Starts the embedded engine and a standalone session server (both real processes on loopback), then plays
+agents of TURNS turns each, at concurrency 1 and 32, once straight to the engine and once through a
+session. Writes bench/results/session_latency.json and its section of bench/REPORT.md (bench.report).
+
+    .venv/bin/python -m bench.session_latency
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.report import write_result
+from miles_runner.engine.launch import start_engine
+from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.process import ManagedProcess
+
+TURNS = 10
+MAX_TOKENS = 4
+CONCURRENCY = (1, 32)
+ROUNDS_AT_CONCURRENCY_1 = 3
+
+
+@contextmanager
+def engine_and_session_server(session_flags: list[str], engine_flags: list[str] = ()):
+    """The embedded engine and one standalone session server in front of it; yields (engine, server) URLs."""
+    model_dir = ensure_tiny_model("tiny-moe")
+    logs = Path(tempfile.mkdtemp(prefix="session-bench-"))
+    engine_port, server_port = free_port(), free_port()
+    engine_argv = [sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir)]
+    engine_argv += ["--host", "127.0.0.1", "--port", str(engine_port), *engine_flags]
+    engine = start_engine(engine_argv, port=engine_port, log_path=logs / "engine.log", timeout_s=300)
+    engine_url, server_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{server_port}"
+    server_argv = [sys.executable, "-m", "miles_runner.session.server", "--engine-url", engine_url]
+    server_argv += ["--model-path", str(model_dir), "--port", str(server_port), *session_flags]
+    server = ManagedProcess(
+        "session-server", server_argv, log_path=logs / "session.log", health_url=f"{server_url}/health"
+    )
+    try:
+        with server:
+            yield engine_url, server_url
+    finally:
+        engine.stop()
+
+
+async def play_agent(http: httpx.AsyncClient, chat_url: str, agent: int, latencies: list[float]) -> None:
+    messages: list[dict] = []
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": f"Agent {agent}: what is {turn} plus 4?"})
+        body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+        body |= {"logprobs": True, "return_meta_info": True}  # what the session server asks for too
+        started = time.perf_counter()
+        reply = await http.post(chat_url, json=body)
+        latencies.append(time.perf_counter() - started)
+        reply.raise_for_status()
+        messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+
+
+async def measure(engine_url: str, server_url: str, concurrency: int, through_session: bool) -> list[float]:
+    latencies: list[float] = []
+    rounds = ROUNDS_AT_CONCURRENCY_1 if concurrency == 1 else 1
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
+        for _ in range(rounds):
+            urls = []
+            for _ in range(concurrency):
+                if through_session:
+                    session_id = (await http.post(f"{server_url}/sessions")).json()["session_id"]
+                    urls.append(f"{server_url}/sessions/{session_id}/v1/chat/completions")
+                else:
+                    urls.append(f"{engine_url}/v1/chat/completions")
+            await asyncio.gather(*(play_agent(http, url, i, latencies) for i, url in enumerate(urls)))
+    return latencies
+
+
+def percentiles_ms(latencies: list[float]) -> dict[str, float]:
+    values = np.asarray(latencies) * 1000
+    return {"p50_ms": round(float(np.percentile(values, 50)), 2), "p99_ms": round(float(np.percentile(values, 99)), 2)}
+
+
+async def run() -> dict:
+    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "by_concurrency": {}}
+    with engine_and_session_server(session_flags=[]) as (engine_url, server_url):
+        await measure(engine_url, server_url, 1, through_session=True)  # warm-up
+        for concurrency in CONCURRENCY:
+            direct = percentiles_ms(await measure(engine_url, server_url, concurrency, through_session=False))
+            session = percentiles_ms(await measure(engine_url, server_url, concurrency, through_session=True))
+            added = {key: round(session[key] - direct[key], 2) for key in direct}
+            results["by_concurrency"][str(concurrency)] = {"direct": direct, "session": session, "added": added}
+    return results
+
+
+def main() -> None:
+    results = asyncio.run(run())
+    lines = [
+        f"Per-turn latency, {TURNS}-turn agents, max_tokens={MAX_TOKENS}, tiny-moe on the embedded engine (CPU).",
+        "",
+        "| concurrency | direct p50 / p99 (ms) | session p50 / p99 (ms) | added p50 / p99 (ms) |",
+        "|---|---|---|---|",
+    ]
+    for concurrency, row in results["by_concurrency"].items():
+        cells = [f"{row[k]['p50_ms']} / {row[k]['p99_ms']}" for k in ("direct", "session", "added")]
+        lines.append(f"| {concurrency} | " + " | ".join(cells) + " |")
+    print(write_result("session_latency", results, lines))
+
+
+if __name__ == "__main__":
+    main()

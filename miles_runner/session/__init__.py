@@ -1,0 +1,1 @@
+"""Session server for agentic rollouts: TITO state, records, sample assembly and incremental R3."""

@@ -1,0 +1,3 @@
+from miles_runner.session.server import main
+
+main()

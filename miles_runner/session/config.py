@@ -1,0 +1,82 @@
+"""Configuration of one session server process: everything it needs, decided before it starts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SessionVersion = Literal["v1", "v2"]
+
+
+@dataclass(frozen=True)
+class SessionServerConfig:
+    engine_url: str
+    model_path: str
+    version: SessionVersion = "v1"
+    # Adapter name sent as `lora_path` on every turn (None: the base model serves the sessions).
+    lora_name: str | None = None
+    # Ask the engine for MoE routing (R3) on every turn and assemble it into samples.
+    return_routed_experts: bool = False
+    # Request only the routing rows after the checkpoint (derived from pause_generation_mode == in_place).
+    use_addition_r3: bool = False
+    max_trim_tokens: int = 0
+    upstream_timeout_s: float = 600.0
+    upstream_api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    instance_id: str | None = None
+    # Decoder layers of the served model (rows of the R3 tensor); read from config.json when None.
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.version not in ("v1", "v2"):
+            raise ValueError(f"session version must be v1 or v2, got {self.version!r}")
+        if self.use_addition_r3 and not self.return_routed_experts:
+            raise ValueError("use_addition_r3 needs return_routed_experts (incremental R3 without R3)")
+        if self.max_trim_tokens < 0:
+            raise ValueError(f"max_trim_tokens must be >= 0, got {self.max_trim_tokens}")
+
+    def resolved_num_layers(self) -> int:
+        if self.num_layers is not None:
+            return self.num_layers
+        return read_num_layers(Path(self.model_path))
+
+
+def read_num_layers(model_dir: Path) -> int:
+    """`num_hidden_layers` of an HF model dir, looking inside `text_config` for multimodal configs."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config") or config
+    return int(text_config["num_hidden_layers"])
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """The multi-LoRA adapter a session generates with (POST /sessions {"adapter": {...}}).
+
+    Every turn is sent with `lora_path` = the slot, `rid` = "{name}::{uuid}" (so the controller can abort
+    all of an adapter's requests by the "{name}::" prefix) and `extra_key` = "{name}:v{version}" (so cached
+    prefixes are never shared across adapter versions).
+    """
+
+    name: str
+    lora_path: str
+    version: int
+
+    def __post_init__(self) -> None:
+        if not self.name or "::" in self.name:
+            raise ValueError(f"adapter name must be non-empty and contain no '::', got {self.name!r}")
+        if not self.lora_path:
+            raise ValueError("adapter lora_path must be non-empty")
+        if self.version < 0:
+            raise ValueError(f"adapter version must be >= 0, got {self.version}")
+
+    @classmethod
+    def from_json(cls, value: object) -> AdapterSlot:
+        if not isinstance(value, dict) or set(value) - {"name", "lora_path", "version"}:
+            raise ValueError('adapter must be an object {"name", "lora_path", "version"}')
+        name, lora_path, version = value.get("name"), value.get("lora_path"), value.get("version", 0)
+        if not isinstance(name, str) or not isinstance(lora_path, str) or type(version) is not int:
+            raise ValueError("adapter name and lora_path must be strings and version an integer")
+        return cls(name, lora_path, version)

@@ -1,0 +1,101 @@
+import numpy as np
+import pytest
+from session_records import NUM_LAYERS, incremental_records, make_record, routing_rows
+
+from miles_runner.engine.routed_experts import encode_routed_experts
+from miles_runner.session.errors import TokenizationError
+from miles_runner.session.r3 import addition_r3_start_len, assemble_incremental_r3
+
+# Two turns: prompt 4 + completion 3 (7 tokens), then the 7 + observation 2 + completion 3 (12 tokens).
+TURN_1 = ([1, 2, 3, 4], [5, 6, 7])
+TURN_2 = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12])
+
+
+def test_first_turn_asks_for_every_row():
+    assert addition_r3_start_len([], [1, 2, 3]) == 0
+
+
+def test_later_turn_asks_from_the_checkpoint_length_minus_one():
+    assert addition_r3_start_len([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7]) == 4
+
+
+def test_start_len_rejects_a_prompt_that_rewrites_the_checkpoint():
+    with pytest.raises(TokenizationError, match="differ at token 2"):
+        addition_r3_start_len([1, 2, 3, 4], [1, 2, 9, 4, 5])
+
+
+def test_two_patches_rebuild_the_full_tensor_byte_for_byte():
+    records = incremental_records([TURN_1, TURN_2])
+    assembled = assemble_incremental_r3(records, required_rows=11, num_layers=NUM_LAYERS)
+    assert assembled.dtype == np.int32
+    assert assembled.tobytes() == routing_rows(11).tobytes()
+
+
+def test_assembly_stops_at_the_rows_the_sample_needs():
+    records = incremental_records([TURN_1, TURN_2])
+    assembled = assemble_incremental_r3(records, required_rows=5, num_layers=NUM_LAYERS)
+    assert assembled.tobytes() == routing_rows(5).tobytes()
+
+
+def test_an_overlap_names_the_turn_and_rows():
+    first = incremental_records([TURN_1])[0]
+    overlapping = make_record(*TURN_2, start_len=4, routed=routing_rows(7, offset=4))
+    with pytest.raises(ValueError, match=r"turn 1 starts at row 4 .* overlaps rows \[4, 6\)"):
+        assemble_incremental_r3([first, overlapping], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_a_gap_names_the_turn_and_rows():
+    first = incremental_records([TURN_1])[0]
+    gapped = make_record(*TURN_2, start_len=8, routed=routing_rows(3, offset=8))
+    with pytest.raises(ValueError, match=r"turn 1 starts at row 8 .* gap over rows \[6, 8\)"):
+        assemble_incremental_r3([first, gapped], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_a_record_without_start_len_is_rejected():
+    first = incremental_records([TURN_1])[0]
+    no_start = make_record(*TURN_2, routed=routing_rows(11))
+    with pytest.raises(ValueError, match="turn 1 was sent without routed_experts_start_len"):
+        assemble_incremental_r3([first, no_start], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_a_missing_payload_is_rejected():
+    first = incremental_records([TURN_1])[0]
+    missing = make_record(*TURN_2, start_len=6)
+    with pytest.raises(ValueError, match=r"turn 1 has no routed_experts payload for rows \[6, 11\)"):
+        assemble_incremental_r3([first, missing], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_a_payload_with_the_wrong_row_count_is_rejected():
+    first = incremental_records([TURN_1])[0]
+    short = make_record(*TURN_2, start_len=6, routed=routing_rows(4, offset=6))
+    with pytest.raises(ValueError, match=r"turn 1 rows \[6, 11\)"):
+        assemble_incremental_r3([first, short], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_an_empty_payload_for_a_non_empty_delta_is_rejected():
+    record = make_record(*TURN_1, start_len=0)
+    record.meta_info["routed_experts"] = ""
+    with pytest.raises(ValueError, match=r"turn 0 carries an empty payload for 6 rows"):
+        assemble_incremental_r3([record], required_rows=6, num_layers=NUM_LAYERS)
+
+
+def test_an_empty_delta_keeps_the_layer_axis():
+    record = make_record([1], [], start_len=0)
+    record.meta_info["routed_experts"] = ""
+    assembled = assemble_incremental_r3([record], required_rows=0, num_layers=NUM_LAYERS)
+    assert assembled.shape == (0, NUM_LAYERS, 0)
+
+
+def test_patches_that_disagree_on_topk_are_rejected():
+    first = incremental_records([TURN_1])[0]
+    wider = np.zeros((5, NUM_LAYERS, 4), dtype=np.int32)
+    second = make_record(*TURN_2, start_len=6)
+    second.meta_info["routed_experts"] = encode_routed_experts(wider)
+    with pytest.raises(ValueError, match="disagree on top-k"):
+        assemble_incremental_r3([first, second], required_rows=11, num_layers=NUM_LAYERS)
+
+
+def test_too_few_rows_for_the_sample_is_rejected():
+    records = incremental_records([TURN_1])
+    with pytest.raises(ValueError, match=r"cover rows \[0, 6\) but the sample needs 11"):
+        assemble_incremental_r3(records, required_rows=11, num_layers=NUM_LAYERS)
