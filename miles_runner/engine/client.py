@@ -24,6 +24,7 @@ import httpx
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name for the distributed weight routes
 
 
 class EngineError(Exception):
@@ -226,6 +227,31 @@ class EngineClient:
             body["pinned"] = True
         return await self._call("POST", "/load_lora_adapter_from_tensors", json=body)
 
+    async def load_lora_adapter_from_distributed(
+        self,
+        name: str,
+        config: Mapping[str, Any],
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        upsert: bool = False,
+        pinned: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /load_lora_adapter_from_distributed (sglang-miles): only the metadata travels here; rank 0 of
+        `group_name` broadcasts the tensors, in `names` order, while this call waits. `dtypes` are names
+        without "torch." ("bfloat16"). `upsert` replaces a loaded adapter's weights in place (no unload)."""
+        body: dict[str, Any] = {
+            "lora_name": name,
+            "config_dict": dict(config),
+            **_tensor_metadata(names, dtypes, shapes, group_name),
+            "pinned": pinned,
+            "upsert": upsert,
+        }
+        return await self._call("POST", "/load_lora_adapter_from_distributed", json=body, timeout_s=timeout_s)
+
     # ---- weights ------------------------------------------------------------------------------------
 
     async def update_weights_from_disk(
@@ -264,6 +290,52 @@ class EngineClient:
         if load_format is not None:
             body["load_format"] = load_format
         return await self._call("POST", "/update_weights_from_tensor", json=body, timeout_s=timeout_s)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /init_weights_update_group: the engine joins `group_name` as rank `rank_offset` (plus its TP
+        rank) of `world_size`; the answer comes once every rank, the trainer's included, has joined."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._call("POST", "/init_weights_update_group", json=body, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]:
+        return await self._call("POST", "/destroy_weights_update_group", json={"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /update_weights_from_distributed: base weights (HF names) broadcast by rank 0 of `group_name`
+        in `names` order while this call waits."""
+        body = {
+            **_tensor_metadata(names, dtypes, shapes, group_name),
+            **_weight_update_body(weight_version, flush_cache, abort_all_requests),
+        }
+        return await self._call("POST", "/update_weights_from_distributed", json=body, timeout_s=timeout_s)
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> dict[str, Any]:
         # abort_all_requests is always sent: its default flipped from false to true between SGLang versions.
@@ -372,6 +444,17 @@ def _weight_update_body(weight_version: str | None, flush_cache: bool, abort_all
     if weight_version is not None:
         body["weight_version"] = weight_version
     return body
+
+
+def _tensor_metadata(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group_name: str
+) -> dict[str, Any]:
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(shape) for shape in shapes],
+        "group_name": group_name,
+    }
 
 
 def _body(response: httpx.Response) -> Any:

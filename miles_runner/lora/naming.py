@@ -38,6 +38,12 @@ def extra_key(adapter: str, version: int) -> str:
     return f"{adapter}:v{version}"
 
 
+def adapter_request_fields(adapter: str, lora_path: str, version: int) -> dict[str, str]:
+    """The fields every multi-LoRA request carries (spec §4.5): the engine slot it decodes with, a rid that a
+    prefix abort of this adapter reaches, and the radix-cache namespace of this adapter version."""
+    return {"lora_path": lora_path, "rid": make_rid(adapter), "extra_key": extra_key(adapter, version)}
+
+
 def adapter_name_problem(name: str) -> str | None:
     """Why `name` cannot name an adapter (it becomes a folder name and a rid prefix), or None if it can."""
     if not name:

@@ -26,12 +26,16 @@ from miles_runner.engine.embedded.protocol import (
     AbortReqInput,
     ChatCompletionRequest,
     ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterFromDistributedReqInput,
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     PauseGenerationReqInput,
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
@@ -61,6 +65,7 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     _add_generation_routes(app, engine)
     _add_control_routes(app, engine)
     _add_lora_and_weight_routes(app, engine)
+    _add_distributed_weight_routes(app, engine)
     _add_info_routes(app, engine)
     return app
 
@@ -266,6 +271,41 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
         await engine.update_weight_version(body.new_version, body.abort_all_requests)
         message = f"Weight version updated to {body.new_version}"
         return {"success": True, "message": message, "new_version": body.new_version}
+
+
+# ----- weights and adapters broadcast by the trainer (disaggregated sync) -----------------------------------
+def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
+        try:
+            await engine.init_weights_update_group(body)
+        except ValueError as exc:
+            return _weights_reply(None, str(exc))
+        return _weights_reply(f"Initialized weight update group {body.group_name}.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
+        try:
+            await engine.weight_groups.destroy(body.group_name)
+        except ValueError as exc:
+            return _weights_reply(None, str(exc))
+        return _weights_reply(f"Destroyed weight update group {body.group_name}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput):
+        try:
+            message = await engine.update_weights_from_distributed(body)
+        except ValueError as exc:
+            return _weights_reply(None, f"Failed to update weights: {exc}")
+        return _weights_reply(message)
+
+    @app.post("/load_lora_adapter_from_distributed")
+    async def load_lora_adapter_from_distributed(body: LoadLoRAAdapterFromDistributedReqInput):
+        try:
+            await engine.load_lora_from_distributed(body)
+        except ValueError as exc:
+            return _lora_reply(engine, str(exc))
+        return _lora_reply(engine)
 
 
 # ----- health and info ---------------------------------------------------------------------------------------

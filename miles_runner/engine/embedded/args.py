@@ -45,6 +45,7 @@ class ServerArgs:
     lora_target_modules: list[str] | None = None
     enable_return_routed_experts: bool = False
     enable_cache_report: bool = False
+    dist_timeout: int | None = None  # seconds; bounds weight-update group joins and broadcasts
     log_level: str = "info"
     ignored_flags: list[str] = field(default_factory=list)
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-target-modules", nargs="*")
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--dist-timeout", type=int)
     p.add_argument("--log-level", default="info")
     return p
 

@@ -24,19 +24,24 @@ from miles_runner.engine.embedded.lora_registry import TENSOR_SOURCE, LoRARef, L
 from miles_runner.engine.embedded.model_runner import ModelRunner
 from miles_runner.engine.embedded.protocol import (
     GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterFromDistributedReqInput,
     LoadLoRAAdapterFromTensorsReqInput,
     SamplingParams,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
 from miles_runner.engine.embedded.request import GenerationResult, GenRequest, LogprobRequest, ReqState
 from miles_runner.engine.embedded.sampling import SamplingConfig
 from miles_runner.engine.embedded.scheduler import Scheduler
 from miles_runner.engine.embedded.tensor_wire import deserialize_named_tensors
+from miles_runner.engine.embedded.weight_groups import WeightUpdateGroups
 
 logger = logging.getLogger(__name__)
 
 ENGINE_VERSION = "embedded-0.1"
+DEFAULT_DIST_TIMEOUT_S = 300  # without --dist-timeout: how long a weight-update group join or broadcast may take
 
 
 class EmbeddedEngine:
@@ -52,6 +57,7 @@ class EmbeddedEngine:
         self.detok = Detokenizer(self.tokenizer, _eos_token_ids(args.model_path, self.tokenizer))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = LoRARegistry(args)
+        self.weight_groups = WeightUpdateGroups(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
         self.scheduler = Scheduler(
             self.runner,
             self.detok,
@@ -280,6 +286,21 @@ class EmbeddedEngine:
         )
         return f"Succeeded to update {count} tensors."
 
+    async def init_weights_update_group(self, body: InitWeightsUpdateGroupReqInput) -> None:
+        await self.weight_groups.init(
+            master_address=body.master_address, master_port=body.master_port, rank=body.rank_offset,
+            world_size=body.world_size, group_name=body.group_name, backend=body.backend,
+        )  # fmt: skip
+
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedReqInput) -> str:
+        if body.load_format is not None:
+            raise ValueError(f"load_format {body.load_format!r} is not supported; send one tensor per name.")
+        tensors = await self.weight_groups.receive(body.group_name, body.names, body.dtypes, body.shapes)
+        count = await self._update_weights(
+            lambda: self.runner.update_weights(tensors), body.abort_all_requests, body.weight_version
+        )
+        return f"Succeeded to update {count} tensors from group {body.group_name}."
+
     async def _update_weights(self, load: Callable[[], int], abort_all: bool, version: str | None) -> int:
         if abort_all:
             await self.abort("", abort_all=True)
@@ -312,10 +333,26 @@ class EmbeddedEngine:
         async with self._lora_lock:
             self.lora.check_new(body.lora_name, body.config_dict)
             tensors = deserialize_named_tensors(body.serialized_tensors)
-            await self.scheduler.call(
-                lambda: self.runner.load_adapter_from_tensors(body.lora_name, body.config_dict, tensors)
-            )
-            self.lora.register(LoRARef(body.lora_name, TENSOR_SOURCE, body.pinned))
+            await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
+
+    async def load_lora_from_distributed(self, body: LoadLoRAAdapterFromDistributedReqInput) -> None:
+        """Receive the adapter's tensors from rank 0 of the group, then load them; an upsert of a loaded name
+        overwrites its weights in place (requests paused in place keep running on the same adapter)."""
+        async with self._lora_lock:
+            in_place = body.upsert and body.lora_name in self.lora.loaded_adapters()
+            if not in_place:
+                self.lora.check_new(body.lora_name, body.config_dict)
+            tensors = await self.weight_groups.receive(body.group_name, body.names, body.dtypes, body.shapes)
+            if in_place:
+                await self.scheduler.call(
+                    lambda: self.runner.replace_adapter_weights(body.lora_name, body.config_dict, tensors)
+                )
+            else:
+                await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
+
+    async def _add_adapter(self, name: str, config: dict, tensors: dict, pinned: bool) -> None:
+        await self.scheduler.call(lambda: self.runner.load_adapter_from_tensors(name, config, tensors))
+        self.lora.register(LoRARef(name, TENSOR_SOURCE, pinned))
 
     async def unload_lora(self, name: str) -> None:
         async with self._lora_lock:

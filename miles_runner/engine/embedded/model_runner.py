@@ -165,17 +165,15 @@ class ModelRunner:
         self.peft.eval()
 
     def load_adapter_from_tensors(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
-        from peft import LoraConfig, set_peft_model_state_dict
+        from peft import set_peft_model_state_dict
 
         peft = self._require_lora()
-        config = LoraConfig(**{k: v for k, v in config_dict.items() if k in LoraConfig.__dataclass_fields__})
-        config.inference_mode = True
-        peft.add_adapter(name, config)
+        peft.add_adapter(name, _inference_lora_config(config_dict))
         try:
             result = set_peft_model_state_dict(peft, tensors, adapter_name=name)
-        except Exception:
+        except Exception as exc:  # shapes that do not fit the config: the request's fault, a 400
             peft.delete_adapter(name)
-            raise
+            raise ValueError(f"adapter tensors do not match the config: {exc}") from exc
         missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(f".{name}")]
         if missing or result.unexpected_keys:
             peft.delete_adapter(name)
@@ -184,6 +182,24 @@ class ModelRunner:
                 f"unexpected {list(result.unexpected_keys)[:4]}"
             )
         peft.eval()
+
+    def replace_adapter_weights(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite a loaded adapter's weights in place (an upsert): same tensor names, shapes and scaling,
+        checked before anything is written, so a refused upsert leaves the adapter as it was."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        peft = self._require_lora()
+        if name not in peft.peft_config:
+            raise ValueError(f"LoRA adapter {name} is not loaded; it cannot be updated in place")
+        if _scaling_fields(peft.peft_config[name]) != _scaling_fields(_inference_lora_config(config_dict)):
+            raise ValueError(f"an in-place update cannot change the r, lora_alpha or use_rslora of adapter {name}")
+        current = get_peft_model_state_dict(peft, adapter_name=name)
+        given = {key: tuple(t.shape) for key, t in tensors.items()}
+        expected = {key: tuple(t.shape) for key, t in current.items()}
+        if given != expected:
+            differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
+            raise ValueError(f"tensors for an in-place update of {name} differ in names or shapes: {differ}")
+        set_peft_model_state_dict(peft, tensors, adapter_name=name)
 
     def unload_adapter(self, name: str) -> None:
         self._require_lora().delete_adapter(name)
@@ -219,6 +235,18 @@ class ModelRunner:
             raise ValueError(f"model path {model_path} is not a directory")
         fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         return self.update_weights(dict(fresh.named_parameters()))
+
+
+def _inference_lora_config(config_dict: dict):
+    from peft import LoraConfig
+
+    config = LoraConfig(**{k: v for k, v in config_dict.items() if k in LoraConfig.__dataclass_fields__})
+    config.inference_mode = True
+    return config
+
+
+def _scaling_fields(config) -> tuple:
+    return config.r, config.lora_alpha, config.use_rslora
 
 
 def _base_layer_name(name: str) -> str:

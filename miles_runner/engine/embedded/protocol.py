@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from miles_runner.engine.client import DEFAULT_GROUP_NAME
 
 
 class _Body(BaseModel):
@@ -160,3 +162,50 @@ class UpdateWeightsFromTensorReqInput(_WeightUpdate):
 class UpdateWeightVersionReqInput(_Body):
     new_version: str
     abort_all_requests: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int
+    world_size: int = Field(ge=2)
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(_Body):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class _BroadcastTensors(_Body):
+    """Metadata of tensors that rank 0 of ``group_name`` broadcasts, one after the other, in this order."""
+
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without "torch.", e.g. "bfloat16"
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP_NAME
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self):
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor; got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("names must be unique")
+        if any(dim < 0 for shape in self.shapes for dim in shape):
+            raise ValueError("shapes must not have negative dimensions")
+        return self
+
+
+class UpdateWeightsFromDistributedReqInput(_BroadcastTensors, _WeightUpdate):
+    pass
+
+
+class LoadLoRAAdapterFromDistributedReqInput(_BroadcastTensors):
+    lora_name: str
+    config_dict: dict[str, Any]
+    pinned: bool = False
+    upsert: bool = False  # sglang-miles: replace the weights of a loaded adapter in place, no unload
+    added_tokens_config: dict[str, Any] | None = None

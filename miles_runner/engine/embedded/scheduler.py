@@ -202,7 +202,7 @@ class Scheduler:
                 outcome, failed = deferred.fn(), None
             except Exception as exc:  # reported to the caller, who turns it into an HTTP error
                 outcome, failed = None, exc
-            self._loop.call_soon_threadsafe(_settle, deferred.future, outcome, failed)
+            self._loop.call_soon_threadsafe(settle_future, deferred.future, outcome, failed)
 
     def _can_admit(self) -> bool:
         return self.paused_mode is None and not any(d.blocks_admission for d in self._deferred)
@@ -254,10 +254,10 @@ class Scheduler:
     def _shutdown_requests(self) -> None:
         self.abort_matching(lambda _rid: True, "The server is shutting down.")
         for deferred in self._deferred:
-            self._loop.call_soon_threadsafe(_settle, deferred.future, None, RuntimeError("server shutting down"))
+            self._loop.call_soon_threadsafe(settle_future, deferred.future, None, RuntimeError("server shutting down"))
 
 
-def _settle(future: asyncio.Future, outcome: Any, failed: BaseException | None) -> None:
+def settle_future(future: asyncio.Future, outcome: Any, failed: BaseException | None) -> None:
     if future.done():
         return
     if failed is not None:

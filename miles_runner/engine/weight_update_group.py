@@ -1,0 +1,92 @@
+"""SGLang's weight-update process group, from either end: the trainer (rank 0, the source of every broadcast)
+and the engines (ranks ``rank_offset ...``, receivers).
+
+The group is built the way SGLang's ``init_custom_process_group`` builds it (TCP rendezvous on
+``master_address:master_port``, a store prefixed by ``group_name``, a group that is *not* the default one), so
+a trainer that uses this module can talk to a real SGLang engine as well as to the embedded one, and the
+trainer's own default group (FSDP) stays untouched. Every member must call :func:`init_weight_update_group`
+before any of them returns: the call blocks until all ``world_size`` ranks have joined, or ``timeout_s``.
+
+The same timeout bounds every collective: gloo cannot abort a broadcast whose peer never comes, so a failed
+broadcast returns after ``timeout_s``, and the group is then out of step (its tag counters differ between
+ranks) and must be destroyed and built again.
+
+The store's server (on rank 0) listens on ``master_port`` on every interface: torch offers no bind address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_weight_update_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang registers it
+    return group
+
+
+def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype, as SGLang takes it: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; give a torch dtype name such as 'float32' or 'bfloat16'")
+    return dtype
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Send every tensor from rank 0, in order (each must be contiguous); return once all have arrived."""
+    handles = [dist.broadcast(tensor, group=group, group_src=0, async_op=True) for tensor in tensors]
+    for handle in handles:
+        handle.wait()
+
+
+def receive_tensors(
+    dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]], group: dist.ProcessGroup, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Receive, in order, the tensors that rank 0 sends with :func:`broadcast_tensors`."""
+    pairs = zip(dtypes, shapes, strict=True)
+    tensors = [torch.empty(tuple(shape), dtype=dtype, device=device) for dtype, shape in pairs]
+    broadcast_tensors(tensors, group)
+    return tensors
