@@ -1,0 +1,256 @@
+"""The FSDP trainer (``trainer=fsdp``, ``lora_mode=peft``): a peft LoRA adapter on an HF model, trained with GRPO.
+
+One process on CPU is the common case. When ``torch.distributed`` is initialised with more than one rank
+(gloo on CPU, NCCL on GPU), every decoder layer and then the whole model are wrapped with FSDP2
+``fully_shard``; each rank trains on its strided share of every batch and FSDP averages the gradients.
+The adapter and checkpoint exports gather full tensors (collectives: call them on every rank).
+
+``train(samples)`` is one rollout's update: GRPO advantages over the groups, then one optimizer step per
+``global_batch_size`` samples, each accumulated over micro-batches. Old log-probs are the rollout's
+(``algorithm.use_rollout_logprobs``) or the trainer's own before the first step; the KL reference is the
+same model with the adapter disabled.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
+from miles_runner.plan.model import AdapterPlan, Plan
+from miles_runner.trainer import lora_model
+from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, token_log_probs
+from miles_runner.trainer.loss import PolicyLossConfig, group_advantages, policy_loss
+from miles_runner.trainer.metrics import MetricMeans
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The Plan slices the trainer reads."""
+
+    adapter: AdapterPlan
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig
+    group_size: int  # samples per prompt: the GRPO group
+    global_batch_size: int  # samples per optimizer step
+    micro_batch_size: int
+    temperature: float = 1.0  # the rollout temperature the engine sampled at
+    per_token_loss: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_plan(cls, plan: Plan, adapter_index: int = 0) -> TrainerSettings:
+        return cls(
+            adapter=plan.adapters[adapter_index],
+            algorithm=plan.algorithm,
+            optimizer=plan.optimizer,
+            group_size=plan.batch.n_samples_per_prompt,
+            global_batch_size=plan.batch.global_batch_size,
+            micro_batch_size=plan.trainer.parallel.micro_batch_size,
+            temperature=plan.rollout.temperature,
+            seed=plan.seed,
+        )
+
+    def loss_config(self) -> PolicyLossConfig:
+        a = self.algorithm
+        return PolicyLossConfig(a.eps_clip, a.eps_clip_high, a.kl_coef, a.entropy_coef, a.use_tis,
+                                per_token_loss=self.per_token_loss)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
+    if cfg.name == "adam":
+        return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"the FSDP trainer supports optimizer adam or sgd, not {cfg.name!r}")
+
+
+class FSDPTrainer:
+    def __init__(self, model_path: str | Path, settings: TrainerSettings) -> None:
+        from transformers import AutoTokenizer
+
+        self.settings = settings
+        self.model_path = str(model_path)
+        self.rank, self.world_size = _world()
+        self.model = lora_model.load_lora_model(self.model_path, settings.adapter, seed=settings.seed)
+        if self.world_size > 1:
+            self._shard()
+        self.pad_id = AutoTokenizer.from_pretrained(self.model_path).pad_token_id or 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = _build_optimizer(params, settings.optimizer, settings.adapter.lr)
+        self.step = 0
+        self.loss_config = settings.loss_config()
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in lora_model.decoder_layers(self.model):
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    # ---- log-probs ----
+
+    def _local(self, items: Sequence[Any]) -> list[Any]:
+        return list(items[self.rank :: self.world_size])
+
+    def _micro_batches(self, batch: TokenBatch) -> list[slice]:
+        size, n = self.settings.micro_batch_size, batch.input_ids.shape[0]
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    @torch.no_grad()
+    def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
+        self.model.eval()
+        with nullcontext() if adapter else self.model.disable_adapter():
+            parts = [token_log_probs(self.model, batch.select(rows), temperature=self.settings.temperature)[0]
+                     for rows in self._micro_batches(batch)]
+        return torch.cat(parts)
+
+    def compute_log_probs(self, samples: Sequence[TrainingSample], *, adapter: bool = True) -> list[list[float]]:
+        """The trainer's log-probs of each sample's response tokens (single process)."""
+        return response_values(self._log_probs(pack_samples(samples, self.pad_id), adapter=adapter), samples)
+
+    # ---- training ----
+
+    def train(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
+        """One rollout's update. Samples are ordered group by group; every rank passes the same full list."""
+        s = self.settings
+        rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])
+        advantages = group_advantages(rewards, s.group_size, s.algorithm.normalize_advantages_by_std)
+        gbs = s.global_batch_size or len(samples)
+        if len(samples) % gbs or gbs % self.world_size:
+            raise ValueError(f"{len(samples)} samples, global batch {gbs} and {self.world_size} ranks do not divide")
+        means = MetricMeans()
+        step_chunks = [range(i, i + gbs) for i in range(0, len(samples), gbs)]
+        local_all = self._local(range(len(samples)))
+        full = pack_samples([samples[i] for i in local_all], self.pad_id)
+        old = self._old_log_probs(full, single_step=len(step_chunks) == 1)
+        ref = self._log_probs(full, adapter=False) if s.algorithm.kl_coef > 0 else None
+        for chunk in step_chunks:
+            rows = [local_all.index(i) for i in self._local(chunk)]
+            self._optimizer_step(full, rows, advantages[[local_all[r] for r in rows]], old, ref, means)
+        metrics = means.result()
+        metrics["loss"] /= len(step_chunks)
+        metrics.update(reward_mean=float(rewards.mean()), step=float(self.step), lr=s.adapter.lr)
+        return metrics
+
+    def _old_log_probs(self, full: TokenBatch, *, single_step: bool) -> torch.Tensor | None:
+        if self.settings.algorithm.use_rollout_logprobs:
+            if not full.has_rollout_log_probs:
+                raise ValueError("algorithm.use_rollout_logprobs needs every sample's rollout_log_probs")
+            return full.rollout_log_probs
+        # One step per rollout: the parameters do not move before the loss, so old = current (detached).
+        return None if single_step else self._log_probs(full)
+
+    def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
+                        old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        size = self.settings.micro_batch_size
+        for start in range(0, len(rows), size):
+            idx = torch.tensor(rows[start : start + size])
+            batch = full.select(idx)
+            log_probs, entropy = token_log_probs(self.model, batch, temperature=self.settings.temperature,
+                                                 with_entropy=True)
+            out = policy_loss(
+                log_probs,
+                log_probs.detach() if old is None else old[idx],
+                advantages[start : start + size],
+                batch.loss_mask,
+                self.loss_config,
+                rollout_log_probs=batch.rollout_log_probs if batch.has_rollout_log_probs else None,
+                ref_log_probs=None if ref is None else ref[idx],
+                entropy=entropy if self.loss_config.entropy_coef else entropy.detach(),
+                normalizer=self._normalizer(full, rows),
+            )
+            out.loss.backward()
+            tokens = float(batch.loss_mask.sum())
+            means.add(out.metrics, tokens)
+            if batch.has_rollout_log_probs:
+                means.add({"rollout_logprob_abs_diff": _abs_diff(log_probs, batch)}, tokens)
+            means.add_sum("loss", float(out.loss.detach()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.settings.optimizer.clip_grad
+        )
+        self.optimizer.step()
+        self.step += 1
+        means.add({"grad_norm": float(grad_norm)}, 1.0)
+
+    def _normalizer(self, full: TokenBatch, rows: list[int]) -> float:
+        if self.loss_config.per_token_loss:
+            return float(full.loss_mask[torch.tensor(rows)].sum().clamp(min=1))
+        return float(len(rows))
+
+    # ---- export and checkpoints ----
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter tensors in PEFT naming (what engines load); collective under FSDP2."""
+        return lora_model.peft_adapter_state(self.model)
+
+    def adapter_config(self) -> dict[str, Any]:
+        return lora_model.adapter_config_dict(self.settings.adapter)
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        """Write a PEFT folder (adapter_config.json + adapter_model.safetensors) atomically; rank 0 writes."""
+        state = self.adapter_state()
+        out = Path(out_dir)
+        if self.rank == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+            self.model.save_pretrained(staging, state_dict=state)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staging, out)
+        if self.world_size > 1:
+            dist.barrier()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Adapter, optimizer, RNG and step, as full tensors (collective under FSDP2; complete on rank 0)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "adapter": lora_model.trainable_state(self.model),
+            # A copy: on CPU the returned tensors may alias the live optimizer state, which later steps mutate.
+            "optimizer": copy.deepcopy(get_optimizer_state_dict(self.model, self.optimizer, options=options)),
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=self.world_size > 1)
+        result = set_model_state_dict(self.model, state["adapter"], options=options)
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if missing := trainable & set(result.missing_keys):
+            raise ValueError(f"checkpoint lacks adapter tensors: {sorted(missing)[:4]}")
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+
+def _abs_diff(log_probs: torch.Tensor, batch: TokenBatch) -> float:
+    """Mean |trainer - rollout| log-prob over trained tokens: the trainer/engine mismatch figure."""
+    mask = batch.loss_mask
+    return float(((log_probs.detach() - batch.rollout_log_probs).abs() * mask).sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,82 @@
+"""The trainable model: an HF causal LM with a peft LoRA adapter built from the plan's AdapterPlan.
+
+Only the adapter's parameters require grad; the base weights are frozen, so the reference policy for the
+KL term is the same model under ``model.disable_adapter()``. Adapter tensors use PEFT naming
+(``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), which both ``peft`` and SGLang
+(``/load_lora_adapter_from_tensors``, ``--lora-paths``) read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_runner.plan.model import AdapterPlan
+
+PEFT_ADAPTER = "default"  # peft's internal adapter name; engines serve it under AdapterPlan.lora_path
+
+
+def lora_config(adapter: AdapterPlan, *, inference_mode: bool = False):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=list(adapter.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        inference_mode=inference_mode,
+    )
+
+
+def adapter_config_dict(adapter: AdapterPlan) -> dict[str, Any]:
+    """The JSON-able adapter config an engine receives next to the tensors (spec §3.1 build_lora_sync_config)."""
+    return {
+        "peft_type": "LORA",
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "target_modules": list(adapter.target_modules),
+        "lora_dropout": adapter.dropout,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def load_lora_model(model_path: str, adapter: AdapterPlan, *, seed: int):
+    """Load the base in fp32, freeze it, and add a freshly initialised adapter (A random from ``seed``, B zero)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, lora_config(adapter), adapter_name=PEFT_ADAPTER)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable or any(".lora_" not in n for n in trainable):
+        raise ValueError(f"target_modules {adapter.target_modules} gave no LoRA-only trainable set: {trainable[:4]}")
+    return model
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The transformer blocks under a peft-wrapped HF causal LM (the FSDP2 sharding units)."""
+    return list(model.get_base_model().model.layers)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().cpu().clone()
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's parameters under the model's own names (checkpoints); collective under FSDP2."""
+    return {name: _full(p) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def peft_adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in PEFT naming (what ``save_pretrained`` writes); collective under FSDP2."""
+    from peft import get_peft_model_state_dict
+
+    return {name: _full(t) for name, t in get_peft_model_state_dict(model, adapter_name=PEFT_ADAPTER).items()}

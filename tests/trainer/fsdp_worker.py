@@ -1,0 +1,43 @@
+"""One rank of the FSDP2 (gloo) test: train one step, write the full adapter from rank 0.
+
+Run as a script (its folder is then on sys.path), with the torchrun environment variables set.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from settings import make_settings
+
+from miles_runner.config.schema import OptimizerConfig
+from miles_runner.session.samples import Sample, SampleStatus
+from miles_runner.trainer.fsdp import FSDPTrainer
+
+PROMPT = [1, 60, 61, 62, 63, 4]
+RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 2])
+REWARDS = (1.0, 0.0, 0.5, 0.0)
+
+
+def samples() -> list[Sample]:
+    return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
+            for r, w in zip(RESPONSES, REWARDS, strict=True)]
+
+
+def main(model_path: str, out_file: str) -> None:
+    dist.init_process_group("gloo")
+    # SGD: the update is proportional to the gradient, so a wrong reduction across ranks shows.
+    trainer = FSDPTrainer(model_path, make_settings(optimizer=OptimizerConfig(name="sgd", lr=0.5)))
+    trainer.train(samples())
+    state = trainer.adapter_state()
+    checkpoint = trainer.state_dict()
+    trainer.save_adapter(Path(out_file).parent / "adapter")
+    if dist.get_rank() == 0:
+        torch.save({"adapter": state, "step": checkpoint["step"]}, out_file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
