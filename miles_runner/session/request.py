@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from miles_runner.lora.naming import adapter_request_fields
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import MessageValidationError, UpstreamResponseError
 from miles_runner.session.messages import Message, normalize_message
@@ -40,11 +40,7 @@ def prepare_chat_request(
 def _adapter_fields(config: SessionServerConfig, adapter: AdapterSlot | None) -> dict[str, str]:
     """The adapter overrides whatever the agent sent: no turn may silently come from the base model."""
     if adapter is not None:
-        return {
-            "lora_path": adapter.lora_path,
-            "rid": f"{adapter.name}::{uuid.uuid4().hex}",
-            "extra_key": f"{adapter.name}:v{adapter.version}",
-        }
+        return adapter_request_fields(adapter.name, adapter.lora_path, adapter.version)
     if config.lora_name is not None:
         return {"lora_path": config.lora_name}
     return {}

@@ -1,0 +1,107 @@
+"""Checks at registration (issue 6 item 1, spec §4.3 resolve_adapter_config)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from miles_runner.multi_lora.config import (
+    AdapterRunConfig,
+    plan_overrides,
+    resolve_adapter_config,
+)
+from miles_runner.plan.model import AdapterPlan
+
+from .helpers import LIMITS, TARGETS, defaults
+
+
+def resolve(name: str = "a", limits=LIMITS, **overrides):
+    return resolve_adapter_config(name, overrides, defaults("/runs/r1"), limits)
+
+
+def rejection(**overrides) -> str:
+    with pytest.raises(ValueError) as caught:
+        resolve(**overrides)
+    return str(caught.value)
+
+
+def test_unset_keys_take_the_run_defaults():
+    resolved = resolve(rank=4)
+    assert (resolved.rank, resolved.alpha, resolved.rollout_batch_size, resolved.task) == (4, 16.0, 4, "arith")
+    assert resolved.target_modules == TARGETS
+
+
+def test_save_folder_defaults_under_the_save_root():
+    assert resolve("math").save == "/runs/r1/adapters/math"
+
+
+def test_adapter_global_batch_size_is_groups_times_samples():
+    assert resolve(rollout_batch_size=4, n_samples_per_prompt=2).adapter_global_batch_size == 8
+
+
+def test_an_unsafe_name_is_rejected():
+    with pytest.raises(ValueError, match="path separators"):
+        resolve("../etc")
+
+
+def test_rank_above_the_engines_max_rank_is_rejected():
+    assert "exceeds the engines' max LoRA rank 8" in rejection(rank=16)
+
+
+def test_target_modules_the_engines_do_not_serve_are_rejected():
+    assert "['gate_proj'] are not served" in rejection(target_modules=["q_proj", "gate_proj"])
+
+
+def test_a_batch_over_the_per_adapter_cap_is_rejected():
+    assert "exceeds the cap 64" in rejection(rollout_batch_size=32, n_samples_per_prompt=4)
+
+
+def test_an_undefined_dp_split_is_rejected():
+    limits = replace(LIMITS, dp_size=8)
+    with pytest.raises(ValueError, match="must divide one another"):
+        resolve(limits=limits, n_samples_per_prompt=6, rollout_batch_size=2)
+
+
+def test_rollout_batch_size_must_be_a_multiple_of_the_dp_split():
+    limits = replace(LIMITS, dp_size=8)
+    with pytest.raises(ValueError, match="multiple of 2 groups"):
+        resolve(limits=limits, n_samples_per_prompt=4, rollout_batch_size=3)
+
+
+def test_an_unknown_task_or_reward_is_rejected():
+    message = rejection(task="chess", reward="elo")
+    assert "unknown task 'chess'" in message and "unknown reward 'elo'" in message
+
+
+def test_unknown_config_keys_are_rejected():
+    assert "unknown adapter config keys ['rnk']" in rejection(rnk=8)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("rank", 0), ("rank", True), ("rollout_batch_size", 1.5), ("alpha", -1), ("num_step", 0), ("lr", "fast")],
+)
+def test_bad_numbers_are_rejected(key, value):
+    assert f"{key} must be" in rejection(**{key: value})
+
+
+def test_missing_data_is_rejected():
+    assert "does not exist" in rejection(data="/no/such/data.jsonl")
+
+
+def test_every_problem_is_reported_at_once():
+    message = rejection(rank=64, task="chess", target_modules=["mlp"])
+    assert "rank 64" in message and "'chess'" in message and "['mlp']" in message
+
+
+def test_a_plan_adapter_registers_with_its_own_values():
+    adapter = AdapterPlan(
+        name="rev", lora_path="__miles_slot_1", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"],
+        task="reverse", reward="exact_match", lr=2e-3, rollout_batch_size=2, n_samples_per_prompt=4, num_step=3,
+    )  # fmt: skip
+    resolved = resolve("rev", **plan_overrides(adapter))
+    assert resolved == AdapterRunConfig(
+        task="reverse", reward="exact_match", rank=4, alpha=8.0, target_modules=("q_proj",), lr=2e-3,
+        rollout_batch_size=2, n_samples_per_prompt=4, save="/runs/r1/adapters/rev", num_step=3, data="",
+    )  # fmt: skip
