@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
-from miles_runner.errors import PlanError
+from miles_runner.errors import PlanError, Problem
 
 EXIT_PLAN_ERROR = 2
 OWN_FLAGS = {"--plan", "--recipes", "--help", "-h", "--multirun", "-m"}
@@ -48,18 +49,54 @@ def single_run(overrides: list[str], *, plan_only: bool, argv: list[str]) -> int
 
     composed = compose(overrides)
     plan = compile_plan(composed)
-    run_dir = new_run_dir(composed.config.run.output_root)
-    plan_path = write_run_record(run_dir, composed, plan, argv)
+    run = composed.config.run
+    resumed = resume_dir(run.output_root, plan.name, run.dir) if run.resume or run.dir else None
+    if resumed is not None:
+        plan = resumed_plan(resumed, plan)
+        run_dir, plan_path = resumed, resumed / "plan.yaml"
+    else:
+        run_dir = new_run_dir(run.output_root)
+        plan_path = write_run_record(run_dir, composed, plan, argv)
     print(summarize(plan, str(plan_path)))
     if plan_only:
         return 0
-    return execute(plan, run_dir)
+    return execute(plan, run_dir, resume=resumed is not None)
 
 
-def execute(plan, run_dir: Path) -> int:
-    """Run the saved plan. The executors and the training loop land with issue 5; until then the plan is
-    saved and printed, and nothing is started."""
-    print(f"\nplan saved in {run_dir}; the run executor is not part of this build yet, so nothing was started.")
+def resume_dir(output_root: str, name: str, explicit: str) -> Path | None:
+    """run.dir, else the newest run folder under output_root whose saved plan has this name."""
+    if explicit:
+        folder = Path(explicit)
+        if not (folder / "plan.yaml").exists():
+            raise PlanError([Problem("resume-needs-a-run-folder", [(f"run.dir={explicit}", "command line")],
+                                     "That folder holds no plan.yaml of an earlier run.", "")])
+        return folder
+    import yaml
+
+    candidates = sorted(Path(output_root).glob("*/*/plan.yaml"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for plan_file in candidates:
+        if yaml.safe_load(plan_file.read_text()).get("name") == name:
+            return plan_file.parent
+    return None
+
+
+def resumed_plan(run_dir: Path, compiled) -> Any:
+    """A resumed run executes the plan it saved; a different freshly compiled plan is reported, not used."""
+    from miles_runner.plan.record import read_plan
+
+    saved = read_plan(run_dir / "plan.yaml")
+    if saved != compiled:
+        print(f"miles-run: resuming {run_dir} with its saved plan (the config now compiles to a different one)",
+              file=sys.stderr)
+    return saved
+
+
+def execute(plan: Any, run_dir: Path, *, resume: bool = False) -> int:
+    """Run the plan: the executor starts its servers, the driver trains, everything is stopped at the end."""
+    from miles_runner.runtime.driver import Driver
+
+    Driver(plan, run_dir, resume=resume).run()
+    print(f"run folder: {run_dir}")
     return 0
 
 

@@ -43,7 +43,8 @@ class RunConfig:
     name: str = "custom"
     seed: int = 1234
     output_root: str = "outputs"
-    resume: bool = False
+    resume: bool = False  # continue the latest run of this name (or run.dir) from its last checkpoint
+    dir: str = ""  # an existing run folder to resume in; empty: a new outputs/DATE/TIME
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class TopologyConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "tiny-moe"
-    path: str = "tiny:tiny-moe"  # "tiny:NAME" is built locally on first use; else an HF checkpoint folder
+    path: str = "tiny:tiny-moe:format"  # tiny:NAME[:format] is built locally on first use; else an HF folder
     family: str = "qwen3_moe"
     num_layers: int = 2
     hidden_size: int = 64

@@ -212,6 +212,10 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
     argv = render.controller_argv(LOOPBACK, a.api_port)
     return MultiLoRAPlan(
         slots=d.multi_lora_slots,
+        max_lora_rank=d.max_lora_rank,
+        target_modules=d.target_modules,
+        default_rank=a.rank,
+        default_alpha=a.alpha,
         max_adapter_global_batch_size=4 * d.global_batch_size,
         max_coalesce_wait_s=a.max_coalesce_wait_s,
         max_empty_wait_s=a.max_empty_wait_s,

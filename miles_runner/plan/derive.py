@@ -151,11 +151,22 @@ def max_lora_rank(cfg: MilesConfig) -> int:
     return max(max(ranks), 1)
 
 
+def parse_tiny_model(path: str) -> tuple[str, bool] | None:
+    """`tiny:NAME` (the seeded random model) or `tiny:NAME:format` (after format pre-training on the
+    registered tasks, which gives LoRA something to steer) -> (NAME, pretrained); None for other paths."""
+    if not path.startswith(TINY_SCHEME):
+        return None
+    name, _, variant = path.removeprefix(TINY_SCHEME).partition(":")
+    return name, variant == "format"
+
+
 def resolve_model_path(path: str) -> str:
-    """`tiny:NAME` -> the local cache folder the tiny-model factory builds on first use."""
-    if path.startswith(TINY_SCHEME):
-        return str(MODEL_CACHE / f"{path.removeprefix(TINY_SCHEME)}-seed{TINY_MODEL_SEED}")
-    return path
+    """A tiny model spec -> the local cache folder its factory builds on first use; other paths as they are."""
+    tiny = parse_tiny_model(path)
+    if tiny is None:
+        return path
+    name, pretrained = tiny
+    return str(MODEL_CACHE / f"{name}-seed{TINY_MODEL_SEED}{'-format' if pretrained else ''}")
 
 
 def min_groups_per_dp_split(n: int, dp: int) -> int | None:

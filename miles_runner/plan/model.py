@@ -120,6 +120,10 @@ class AdapterPlan:
 @dataclass(frozen=True)
 class MultiLoRAPlan:
     slots: int
+    max_lora_rank: int  # what the engines serve: every adapter fits within it
+    target_modules: list[str]
+    default_rank: int  # for adapters registered at run time without their own
+    default_alpha: float
     max_adapter_global_batch_size: int
     max_coalesce_wait_s: float
     max_empty_wait_s: float

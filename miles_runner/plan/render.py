@@ -77,4 +77,6 @@ def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
 
 
 def controller_argv(host: str, port: int) -> list[str]:
-    return [PYTHON, "-m", "miles_runner.lora.controller", "--plan", "plan.yaml", "--host", host, "--port", str(port)]
+    """The multi-LoRA controller service; its bearer token, if any, comes from MILES_MULTI_LORA_API_TOKEN."""
+    return [PYTHON, "-m", "miles_runner.multi_lora.http_server", "--plan", "plan.yaml", "--host", host,
+            "--port", str(port)]

@@ -76,10 +76,15 @@ class LocalExecutor:
 
     def prepare_model(self) -> None:
         """Build the tiny model the plan names, if that is what it names and it is not cached yet."""
-        if self.plan.model.path.startswith("tiny:"):
-            from miles_runner.engine.tiny_model import ensure_tiny_model
+        from miles_runner.plan.derive import parse_tiny_model
 
-            built = ensure_tiny_model(self.plan.model.path.removeprefix("tiny:"))
+        if tiny := parse_tiny_model(self.plan.model.path):
+            name, pretrained = tiny
+            if pretrained:
+                from miles_runner.rollout.pretrain import ensure_format_pretrained as build
+            else:
+                from miles_runner.engine.tiny_model import ensure_tiny_model as build
+            built = build(name)
             if str(built) != self.plan.model_path:
                 raise RuntimeError(f"tiny model built at {built}, but the plan expects {self.plan.model_path}")
 

@@ -1,0 +1,194 @@
+"""The training loop (spec §7): rollout -> reward -> advantages -> train -> sync adapter -> log -> checkpoint.
+
+`sync` driver (train.py): each step generates with the weights just trained, so samples are on-policy.
+`async` driver (train_async.py, disaggregated only): step n+1 is generated while step n trains, so its samples
+are one weight version old; the staleness check (plan.sync.max_weight_staleness) is what allows that.
+Every sample carries the weight_version that generated it; older than the allowed staleness is rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_runner.plan.model import Plan
+from miles_runner.session.samples import Sample
+
+# Fault switch for the test that shows learning depends on rollouts using the trained adapter: the engines
+# keep the initial (identity) adapter for the whole run. Never set outside that test.
+FAULT_FREEZE_ROLLOUT_ADAPTER = "MILES_FAULT_FREEZE_ROLLOUT_ADAPTER"
+
+
+class StaleSamplesError(RuntimeError):
+    pass
+
+
+def check_staleness(samples: list[Sample], version: int, max_staleness: int) -> None:
+    oldest = min(int(v) for s in samples for v in (s.weight_versions or [str(version)]))
+    if version - oldest > max_staleness:
+        raise StaleSamplesError(
+            f"samples from weight version {oldest} are {version - oldest} versions old at version {version}; "
+            f"rollout.max_weight_staleness={max_staleness}"
+        )
+
+
+class Driver:
+    def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False):
+        self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
+        self.freeze_adapter = os.environ.get(FAULT_FREEZE_ROLLOUT_ADAPTER) == "1"
+
+    def run(self) -> list[dict[str, Any]]:
+        from miles_runner.runtime.ray_executor import make_executor
+
+        with make_executor(self.plan, self.run_dir) as deployment:
+            return asyncio.run(self._loop(deployment))
+
+    async def _loop(self, deployment) -> list[dict[str, Any]]:
+        from miles_runner.engine.client import EngineClient
+        from miles_runner.lora.sync import make_sync
+        from miles_runner.rollout.context import RolloutContext
+        from miles_runner.rollout.tasks import PromptStream
+        from miles_runner.runtime.checkpoint import load_latest
+        from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+
+        plan = self.plan
+        trainer = FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
+        engines = [EngineClient(url) for url in deployment.engine_urls]
+        rollout_client = EngineClient(deployment.rollout_url)
+        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
+        stream = PromptStream(ctx.task)
+        start = 0
+        if self.resume and (saved := load_latest(self.run_dir)):
+            state, meta = saved
+            trainer.load_state_dict(state)
+            stream.load_state_dict(meta["data"])
+            start = meta["step"]
+        self.tracker = Tracker(plan, self.run_dir, start_step=start)
+        sync = make_sync(plan, engines, plan.adapters[0].lora_path)
+        try:
+            await sync.push(trainer.adapter_state(), trainer.adapter_config(), start)
+            await self._steps(trainer, sync, ctx, stream, start)
+            trainer.save_adapter(self.run_dir / "adapter")
+        finally:
+            await sync.close()
+            self.tracker.close()
+            for client in [*engines, rollout_client]:
+                await client.aclose()
+        return self.tracker.records
+
+    async def _steps(self, trainer, sync, ctx, stream, start: int) -> None:
+        plan, total = self.plan, self.plan.batch.num_steps
+        overlap = plan.sync.driver == "async"
+        pending = self._start_rollout(ctx, stream) if start < total else None
+        for step in range(start, total):
+            self.tracker.phase(step, "rollout")
+            samples, rollout_metrics = await pending
+            pending = None
+            check_staleness(samples, step, plan.sync.max_weight_staleness)
+            more = step + 1 < total
+            if overlap and more:  # generate the next batch with the current weights while this one trains
+                pending = self._start_rollout(ctx, stream)
+            self.tracker.phase(step, "train")
+            started = time.perf_counter()
+            train_metrics = await asyncio.to_thread(trainer.train, samples)
+            train_s = time.perf_counter() - started
+            if pending is not None:
+                await asyncio.wait([pending])  # spec: the update waits for the in-flight generation
+            self.tracker.phase(step, "sync")
+            report = await self._sync(trainer, sync, step + 1)
+            self.tracker.step_done(step, step_record(step, samples, rollout_metrics, train_metrics, train_s, report))
+            if self._checkpoint_due(step + 1):
+                self.tracker.phase(step, "checkpoint")
+                self._checkpoint(trainer, stream, step + 1, taken_ahead=pending is not None)
+            if not overlap and more:
+                pending = self._start_rollout(ctx, stream)
+
+    def _start_rollout(self, ctx, stream) -> asyncio.Task:
+        """Take the prompts now (the data cursor moves here, not when the task first runs), generate later."""
+        prompts = stream.next_batch(self.plan.batch.rollout_batch_size)
+        return asyncio.create_task(self._rollout(ctx, prompts))
+
+    async def _rollout(self, ctx, prompts) -> tuple[list[Sample], dict[str, float]]:
+        from miles_runner.rollout.agentic import rollout_agentic
+        from miles_runner.rollout.single_turn import rollout_single_turn
+
+        started = time.perf_counter()
+        run = rollout_agentic if ctx.session_url else rollout_single_turn
+        samples = await run(ctx, prompts)
+        seconds = time.perf_counter() - started
+        tokens = sum(s.response_length for s in samples)
+        return samples, {"rollout/seconds": seconds, "rollout/tokens": tokens,
+                         "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+
+    async def _sync(self, trainer, sync, version: int):
+        if self.freeze_adapter:
+            return None
+        return await sync.push(trainer.adapter_state(), trainer.adapter_config(), version)
+
+    def _checkpoint_due(self, done: int) -> bool:
+        interval = self.plan.checkpoint.interval
+        return done == self.plan.batch.num_steps or (interval > 0 and done % interval == 0)
+
+    def _checkpoint(self, trainer, stream, done: int, *, taken_ahead: bool) -> None:
+        from miles_runner.runtime.checkpoint import save_checkpoint
+
+        # An overlapped rollout has already taken the next batch's prompts: resume must take them again.
+        cursor = stream.state_dict()
+        if taken_ahead:
+            cursor = {**cursor, "cursor": cursor["cursor"] - self.plan.batch.rollout_batch_size}
+        save_checkpoint(self.run_dir, done, trainer.state_dict(), {"data": cursor},
+                        keep_last=self.plan.checkpoint.keep_last)
+
+
+def step_record(step, samples, rollout_metrics, train_metrics, train_s, report) -> dict[str, Any]:
+    rewards = [s.reward or 0.0 for s in samples]
+    oldest = min(int(v) for s in samples for v in (s.weight_versions or [str(step)]))
+    record: dict[str, Any] = {"step": step, "reward/mean": sum(rewards) / len(rewards), **rollout_metrics,
+                              "rollout/staleness": step - oldest}
+    record.update({f"train/{k}": v for k, v in train_metrics.items() if k not in ("step", "reward_mean")})
+    record["train/seconds"] = train_s
+    record["train/logprob_abs_diff"] = train_metrics.get("rollout_logprob_abs_diff")
+    record["weight_version"] = step + 1 if report else None
+    record["sync/seconds"] = report.seconds if report else None
+    return record
+
+
+class Tracker:
+    """metrics.jsonl + wandb + progress for one run; records of steps a resume redoes are dropped first."""
+
+    def __init__(self, plan: Plan, run_dir: Path, *, start_step: int):
+        from miles_runner.plan.model import plan_to_dict
+        from miles_runner.tracking.metrics import MetricsFile
+        from miles_runner.tracking.progress import Progress
+        from miles_runner.tracking.wandb_logger import WandbLogger
+
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl")
+        self.metrics.truncate_after(start_step - 1)
+        self.records = self.metrics.read()
+        self.wandb = WandbLogger(plan.logger, run_dir, run_name=plan.name, config=plan_to_dict(plan))
+        self.progress = Progress(plan.batch.num_steps, mode=plan.logger.progress, start_step=start_step)
+        self.plan, self.run_dir = plan, run_dir
+
+    def phase(self, step: int, name: str) -> None:
+        self.progress.phase_started(step, name)
+
+    def step_done(self, step: int, record: dict[str, Any]) -> None:
+        self.metrics.append(record)
+        self.records.append(record)
+        self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+        shown = {k: record[k] for k in ("reward/mean", "train/loss", "train/kl", "rollout/tokens_per_s")
+                 if record.get(k) is not None}
+        self.progress.step_done(step, shown)
+
+    def close(self) -> None:
+        from miles_runner.tracking.plots import plot_metrics, summary_table
+
+        self.progress.close()
+        self.wandb.finish()
+        if self.plan.logger.plots and self.records:
+            plot_metrics(self.records, self.run_dir / "metrics.png")
+        print(summary_table(self.records))
+

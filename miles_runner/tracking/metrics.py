@@ -1,0 +1,37 @@
+"""Per-step metrics: appended to metrics.jsonl as they happen (a crash loses at most the step in flight)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsFile:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as out:
+            out.write(json.dumps(record, allow_nan=False, default=_plain) + "\n")
+            out.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records of steps after the checkpoint, which the resumed run will redo."""
+        kept = [r for r in self.read() if r.get("step", -1) <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)

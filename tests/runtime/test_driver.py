@@ -1,0 +1,139 @@
+"""The training loop end to end on CPU: files a run leaves, the adapter it saves, and resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from miles_runner.runtime.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def run_args(output_root: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "+recipe=tiny_lora_agentic", "session=off", "rollout.task=arith", "rollout.reward=exact_match",
+        "rollout.max_turns=1", f"algorithm.num_steps={steps}", "checkpoint.interval=1", "logger=wandb_offline",
+        f"engine.base_port={free_port()}", f"run.output_root={output_root}", *extra,
+    ]
+
+
+def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.Popen([sys.executable, "-m", "miles_runner.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    proc = miles_run(*run_args(root / "outputs", 2), cwd=root)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    [plan] = (root / "outputs").rglob("plan.yaml")
+    return plan.parent
+
+
+def test_run_logs_one_metrics_record_per_step_with_weight_versions(finished_run):
+    steps = records(finished_run)
+    assert [r["step"] for r in steps] == [0, 1]
+    assert [r["weight_version"] for r in steps] == [1, 2]
+    for record in steps:
+        assert 0.0 <= record["reward/mean"] <= 1.0
+        assert record["rollout/tokens_per_s"] > 0 and record["sync/seconds"] > 0
+        assert record["train/logprob_abs_diff"] < 1e-3, "trainer and engine disagree on the sampled tokens"
+
+
+def test_run_leaves_plot_checkpoints_and_offline_wandb(finished_run):
+    assert (finished_run / "metrics.png").stat().st_size > 1000
+    assert sorted(p.name for p in (finished_run / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert list((finished_run / "wandb").glob("offline-run-*"))
+
+
+def test_final_adapter_loads_in_peft_and_differs_from_the_base(finished_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from miles_runner.engine.tiny_model import ensure_tiny_model
+
+    base = AutoModelForCausalLM.from_pretrained(ensure_tiny_model("tiny-moe"))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    before = base(ids).logits
+    tuned = PeftModel.from_pretrained(base, finished_run / "adapter")
+    assert not torch.allclose(tuned(ids).logits, before)
+
+
+def test_final_adapter_is_served_by_the_engine_from_lora_paths(finished_run, tmp_path):
+    import httpx
+
+    from miles_runner.engine.launch import start_engine
+    from miles_runner.engine.tiny_model import ensure_tiny_model
+
+    port = free_port()
+    argv = [sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(ensure_tiny_model("tiny-moe")),
+            "--port", str(port), "--lora-paths", f"trained={finished_run / 'adapter'}"]
+    engine = start_engine(argv, port=port, log_path=tmp_path / "engine.log", timeout_s=120)
+    try:
+        body = {"text": "What is 2 plus 3?", "lora_path": "trained", "sampling_params": {"max_new_tokens": 2}}
+        reply = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+    finally:
+        engine.stop()
+
+
+def test_sigkill_mid_run_resumes_with_no_step_lost_or_repeated(tmp_path):
+    outputs = tmp_path / "outputs"
+    first = miles_run(*run_args(outputs, 4), cwd=tmp_path)
+    deadline = time.monotonic() + 400
+    run_dir = None
+    while time.monotonic() < deadline:
+        plans = list(outputs.rglob("plan.yaml"))
+        run_dir = plans[0].parent if plans else None
+        if run_dir and len(records(run_dir)) >= 2:
+            break
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    killed_at = len(records(run_dir))
+    assert killed_at < 4, "the run finished before it could be killed"
+
+    resumed = miles_run(*run_args(outputs, 4, f"run.dir={run_dir}", "run.resume=true"), cwd=tmp_path)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert [r["step"] for r in records(run_dir)] == [0, 1, 2, 3]
+    assert [r["weight_version"] for r in records(run_dir)] == [1, 2, 3, 4]
+
+
+def test_async_driver_overlaps_generation_and_trains_one_version_stale(tmp_path):
+    outputs = tmp_path / "outputs"
+    args = run_args(outputs, 3, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
+                    "rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
+    proc = miles_run(*args, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    [plan] = outputs.rglob("plan.yaml")
+    steps = records(plan.parent)
+    assert [r["rollout/staleness"] for r in steps] == [0, 1, 1]
+    assert [r["weight_version"] for r in steps] == [1, 2, 3]
+
+
+def test_staleness_beyond_the_bound_is_rejected():
+    from miles_runner.runtime.driver import StaleSamplesError, check_staleness
+    from miles_runner.session.samples import Sample, SampleStatus
+
+    sample = Sample([1, 2], 1, [1], [0.0], None, SampleStatus.COMPLETED, weight_versions=["3"])
+    check_staleness([sample], 4, 1)
+    with pytest.raises(StaleSamplesError, match="2 versions old"):
+        check_staleness([sample], 5, 1)

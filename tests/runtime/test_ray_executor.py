@@ -1,0 +1,45 @@
+"""The Ray executor: a real local Ray on loopback runs the plan's servers under an actor and stops them all."""
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_runner.config.compose import compose
+from miles_runner.plan.compile import compile_plan
+from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.ray_executor import RayExecutor
+
+pytestmark = pytest.mark.slow
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_ray_executor_serves_the_plan_and_stops_every_process(tmp_path):
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "executor=ray", f"engine.base_port={free_port()}",
+                                 f"session.port={free_port()}"]))
+    executor = RayExecutor(plan, tmp_path, startup_timeout_s=180)
+    with executor as deployment:
+        pids = executor.pids
+        assert len(pids) == 2
+        assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
+        assert httpx.get(deployment.session_url + "/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 20
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_multi_node_plan_is_refused_with_its_reason(tmp_path):
+    plan = compile_plan(compose(["+recipe=glm52_lora_agentic"]))
+    with pytest.raises(RuntimeError, match="spans 4 nodes"):
+        RayExecutor(plan, tmp_path).start()
