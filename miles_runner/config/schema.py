@@ -200,7 +200,8 @@ class SessionConfig:
 class RolloutConfig:
     task: str = "arith"
     reward: str = "exact_match"
-    agent: str = ""  # agentic tasks: the agent plug-in that talks to the session server
+    agent: str = "feedback_loop"  # agentic (session) runs: the agent plug-in that plays each episode
+    data: str = ""  # a prompt file for data-set tasks (task=jsonl)
     rollout_batch_size: int = 8  # prompts per step
     n_samples_per_prompt: int = 4
     max_response_len: int = 32

@@ -555,6 +555,55 @@ def adapter_batch_shape(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             yield Finding(keys, reason)
 
 
+# ---- plug-ins (by registered name only: a config never names code to import) ----
+
+
+def _plugin_uses(cfg: MilesConfig, d: Derived) -> list[tuple[str, str, str]]:
+    uses = [("rollout.task", cfg.rollout.task, "task"), ("rollout.reward", cfg.rollout.reward, "reward")]
+    if cfg.session.version != "off":
+        uses.append(("rollout.agent", cfg.rollout.agent, "agent"))
+    if d.multi_lora:
+        for i, run in enumerate(cfg.adapters.runs):
+            item = f"adapters.runs[{i}]"
+            uses += [(f"{item}.task", run.task, "task"), (f"{item}.reward", run.reward, "reward")]
+    return uses
+
+
+@rule("plugins-registered")
+def plugins_registered(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    from miles_runner.config.loader import did_you_mean
+    from miles_runner.rollout.plugins import registered
+
+    names = registered()
+    for key, value, kind in _plugin_uses(cfg, d):
+        if value not in names[kind]:
+            known = ", ".join(names[kind])
+            hint = did_you_mean(value, names[kind])
+            fix_key = key if "[" not in key else "++" + key.replace("[", ".").replace("]", "")
+            yield Finding(
+                (key,),
+                f"No {kind} is registered as '{value}'{'; ' + hint if hint else ''} (registered: {known}).",
+                f"{fix_key}={hint.split(chr(39))[1] if hint else names[kind][0]}",
+            )
+
+
+@rule("dataset-task-needs-data")
+def dataset_task_needs_data(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    from miles_runner.rollout.tasks import TASKS
+
+    def needs_data(task: str) -> bool:
+        return task in TASKS and TASKS.get(task).needs_data
+
+    if needs_data(cfg.rollout.task) and not cfg.rollout.data:
+        yield Finding(("rollout.task", "rollout.data"), f"Task {cfg.rollout.task} reads its prompts from a file.",
+                      "rollout.data=/path/to/prompts.jsonl")
+    for i, run in enumerate(cfg.adapters.runs if d.multi_lora else []):
+        if needs_data(run.task) and not run.data:
+            yield Finding((f"adapters.runs[{i}].task", f"adapters.runs[{i}].data"),
+                          f"Adapter '{run.name}' task {run.task} reads its prompts from a file.",
+                          f"++adapters.runs.{i}.data=/path/to/prompts.jsonl")
+
+
 # ---- routing replay ----
 
 

@@ -35,7 +35,7 @@ class RolloutContext:
             plan=plan,
             client=client,
             tokenizer=TitoTokenizer.from_model_path(plan.model_path),
-            task=make_task(rollout.task, plan.seed),
+            task=make_task(rollout.task, plan.seed, rollout.data),
             reward=get_reward(rollout.reward),
             agent=get_agent(rollout.agent) if agentic else None,
             session_url=session_url,

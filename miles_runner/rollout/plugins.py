@@ -7,8 +7,8 @@ from miles_runner.rollout.rewards import REWARDS, RewardFn
 from miles_runner.rollout.tasks import TASKS, Task
 
 
-def make_task(name: str, seed: int) -> Task:
-    return TASKS.get(name)(seed)
+def make_task(name: str, seed: int, data: str = "") -> Task:
+    return TASKS.get(name)(seed, data)
 
 
 def get_reward(name: str) -> RewardFn:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from miles_runner.rollout.tasks import TASKS, Message, Task
+from miles_runner.rollout.tasks import TASKS, Message, Task, toy_task_names
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 MARKER = "format_pretrain.json"
@@ -86,7 +86,7 @@ def pretrain_format(model_dir: str | Path, task_names: Sequence[str] | None = No
     folder = Path(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tasks = [TASKS.get(name)(seed) for name in (task_names or TASKS.names())]
+    tasks = [TASKS.get(name)(seed) for name in (task_names or toy_task_names())]
     rng = random.Random(f"pretrain:{seed}")
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -109,7 +109,7 @@ def ensure_format_pretrained(name: str = "tiny-moe", seed: int = 0, cache_dir: s
 
     base = ensure_tiny_model(name, cache_dir, seed)
     target = base.parent / f"{base.name}-format"
-    recipe = {"version": PRETRAIN_VERSION, "seed": seed, "steps": DEFAULT_STEPS, "tasks": TASKS.names()}
+    recipe = {"version": PRETRAIN_VERSION, "seed": seed, "steps": DEFAULT_STEPS, "tasks": toy_task_names()}
     if _is_built(target, recipe):
         return target
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base.parent))

@@ -5,10 +5,11 @@ Pure functions of the prompt and the transcript, so a reward can be recomputed f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from miles_runner.rollout.registry import Registry
-from miles_runner.rollout.tasks import Prompt, first_number
+from miles_runner.rollout.tasks import NUMBER, Prompt, first_number
 
 RewardFn = Callable[[Prompt, list[str]], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -29,3 +30,21 @@ def guess_number(prompt: Prompt, replies: list[str]) -> float:
         if first_number(reply) == int(prompt.label):
             return 1.0 - 0.2 * turn
     return 0.0
+
+
+BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+@REWARDS.register("math")
+def math_answer(prompt: Prompt, replies: list[str]) -> float:
+    """1 when the final answer equals the label: the last \\boxed{...} if any, else the last number."""
+    if not replies:
+        return 0.0
+    text = replies[-1]
+    boxed = BOXED.findall(text)
+    answer = boxed[-1].strip() if boxed else (NUMBER.findall(text) or [""])[-1]
+    return float(_normalize(answer) == _normalize(prompt.label))
+
+
+def _normalize(answer: str) -> str:
+    return answer.replace(",", "").replace("$", "").strip().rstrip(".")

@@ -10,6 +10,7 @@ Shipped tasks are small enough for the tiny CPU model (answers are short integer
 - ``reverse``: reverse a 2-3 digit number;
 - ``count``: how many words a short list has;
 - ``count_retry``: ``count`` with a second try after "Wrong." (multi-turn, as learnable as count);
+- ``jsonl``: prompts and labels from a JSONL file (``rollout.data``), for real data sets;
 - ``guess_number``: multi-turn game: find a hidden number in 1..high (high in 2..9, stated in the prompt)
   within ``max_turns`` replies, told "Higher." or "Lower." after each wrong guess.
 """
@@ -47,8 +48,11 @@ class Task(ABC):
     max_turns: ClassVar[int] = 1
     answer_range: ClassVar[tuple[int, int]]  # the well-formed answers a random policy picks from
 
-    def __init__(self, seed: int = 0) -> None:
+    needs_data: ClassVar[bool] = False  # prompts come from rollout.data (a file), not from the seed alone
+
+    def __init__(self, seed: int = 0, data: str = "") -> None:
         self.seed = seed
+        self.data = data
 
     def prompt(self, index: int) -> Prompt:
         # A string seed is hashed deterministically (sha512), unlike hash() of a tuple.
@@ -150,6 +154,49 @@ class GuessNumberTask(Task):
         if guess is None:
             return "Reply with a single number."
         return "Higher." if guess < int(prompt.label) else "Lower."
+
+
+@TASKS.register("jsonl")
+class JsonlTask(Task):
+    """Prompts from a JSONL file (rollout.data): one object a line, ``{"prompt": str or [messages], "label":
+    str, "metadata": {...}}``; prompt ``i`` is line ``i`` modulo the line count, so the cursor still resumes."""
+
+    name = "jsonl"
+    needs_data = True
+    answer_range = (0, 9)
+
+    def __init__(self, seed: int = 0, data: str = "") -> None:
+        super().__init__(seed, data)
+        self._rows: list[dict[str, Any]] | None = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        if self._rows is None:
+            self._rows = read_jsonl_prompts(self.data)
+        return self._rows
+
+    def make(self, index: int, rng: random.Random) -> Prompt:
+        row = self.rows()[index % len(self.rows())]
+        prompt = row["prompt"]
+        messages = _user(prompt) if isinstance(prompt, str) else list(prompt)
+        return Prompt(index, messages, str(row["label"]), dict(row.get("metadata") or {}))
+
+
+def read_jsonl_prompts(path: str) -> list[dict[str, Any]]:
+    import json
+    from pathlib import Path
+
+    if not path or not Path(path).is_file():
+        raise ValueError(f"task jsonl needs rollout.data to name a JSONL file of prompts; {path!r} is not a file")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    bad = [i for i, row in enumerate(rows) if not isinstance(row, dict) or "prompt" not in row or "label" not in row]
+    if not rows or bad:
+        raise ValueError(f"{path}: every line needs 'prompt' and 'label' (bad lines: {bad[:5]}, {len(rows)} lines)")
+    return rows
+
+
+def toy_task_names() -> list[str]:
+    """The tasks that need no data file (format pre-training plays these)."""
+    return [name for name in TASKS.names() if not TASKS.get(name).needs_data]
 
 
 class PromptStream:

@@ -30,8 +30,9 @@ from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.plan.model import AdapterPlan, Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, token_log_probs
-from miles_runner.trainer.loss import PolicyLossConfig, group_advantages, policy_loss
+from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
 from miles_runner.trainer.metrics import MetricMeans
+from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,6 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
-    if cfg.name == "adam":
-        return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"the FSDP trainer supports optimizer adam or sgd, not {cfg.name!r}")
-
-
 class FSDPTrainer:
     def __init__(self, model_path: str | Path, settings: TrainerSettings) -> None:
         from transformers import AutoTokenizer
@@ -93,7 +86,7 @@ class FSDPTrainer:
             self._shard()
         self.pad_id = AutoTokenizer.from_pretrained(self.model_path).pad_token_id or 0
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = _build_optimizer(params, settings.optimizer, settings.adapter.lr)
+        self.optimizer = build_optimizer(params, settings.optimizer, settings.adapter.lr)
         self.step = 0
         self.loss_config = settings.loss_config()
 
@@ -159,31 +152,12 @@ class FSDPTrainer:
 
     def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
                         old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        size = self.settings.micro_batch_size
-        for start in range(0, len(rows), size):
-            idx = torch.tensor(rows[start : start + size])
-            batch = full.select(idx)
-            log_probs, entropy = token_log_probs(self.model, batch, temperature=self.settings.temperature,
-                                                 with_entropy=True)
-            out = policy_loss(
-                log_probs,
-                log_probs.detach() if old is None else old[idx],
-                advantages[start : start + size],
-                batch.loss_mask,
-                self.loss_config,
-                rollout_log_probs=batch.rollout_log_probs if batch.has_rollout_log_probs else None,
-                ref_log_probs=None if ref is None else ref[idx],
-                entropy=entropy if self.loss_config.entropy_coef else entropy.detach(),
-                normalizer=self._normalizer(full, rows),
-            )
-            out.loss.backward()
-            tokens = float(batch.loss_mask.sum())
-            means.add(out.metrics, tokens)
-            if batch.has_rollout_log_probs:
-                means.add({"rollout_logprob_abs_diff": _abs_diff(log_probs, batch)}, tokens)
-            means.add_sum("loss", float(out.loss.detach()))
+        accumulate_policy_gradients(
+            self.model, full, rows, advantages, old, ref, self.loss_config, means,
+            temperature=self.settings.temperature, micro_batch_size=self.settings.micro_batch_size,
+            normalizer=self._normalizer(full, rows),
+        )  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.settings.optimizer.clip_grad
         )
@@ -249,8 +223,3 @@ class FSDPTrainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-
-def _abs_diff(log_probs: torch.Tensor, batch: TokenBatch) -> float:
-    """Mean |trainer - rollout| log-prob over trained tokens: the trainer/engine mismatch figure."""
-    mask = batch.loss_mask
-    return float(((log_probs.detach() - batch.rollout_log_probs).abs() * mask).sum() / mask.sum().clamp(min=1))

@@ -55,7 +55,7 @@ def test_addition_r3_session_flag_absent_when_off(plan):
     p = plan([*R3_ON, "pause_generation_mode=retract"])
     assert not p.session.use_addition_r3
     assert "--addition-r3" not in p.session.launch.argv
-    assert "--return-routed-experts" in p.session.launch.argv  # plain R3 still returns the routing
+    assert "--routed-experts" in p.session.launch.argv  # plain R3 still returns the routing
 
 
 @pytest.mark.parametrize(("recipe", "expected"), [(QWEN30, True), (GLM, False)], ids=["qwen3-in-place", "glm-retract"])

@@ -229,6 +229,19 @@ CASES = [
         ("adapters.runs.1.n_samples_per_prompt=2", "adapters.runs.1.rollout_batch_size=8"),
         "group-multiple",
     ),
+    # ---- plug-ins ----
+    RuleCase("plugins-registered", TINY, ("rollout.task=terminal_bench",), ("rollout.task=count",)),
+    RuleCase("plugins-registered", TINY, ("rollout.agent=tool_agent",), ("rollout.agent=feedback_loop",), "agent"),
+    RuleCase(
+        "plugins-registered", TINY_MULTI, ("++adapters.runs.0.reward=deepscaler",),
+        ("++adapters.runs.0.reward=exact_match",), "adapter-reward",
+    ),
+    RuleCase("dataset-task-needs-data", TINY, ("rollout.task=jsonl",),
+             ("rollout.task=jsonl", "rollout.data=/data/prompts.jsonl")),
+    RuleCase(
+        "dataset-task-needs-data", TINY_MULTI, ("++adapters.runs.0.task=jsonl",),
+        ("++adapters.runs.0.task=jsonl", "++adapters.runs.0.data=/data/p.jsonl"), "adapter",
+    ),
     # ---- routing replay ----
     RuleCase(
         "routing-replay-needs-moe", ("rollout.routing_replay=true",), ("model=tiny_dense",), ("model=tiny_moe",)
