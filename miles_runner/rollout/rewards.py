@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 
 from miles_runner.rollout.registry import Registry
-from miles_runner.rollout.tasks import NUMBER, Prompt, first_number
+from miles_runner.rollout.tasks import Prompt, first_number
 
 RewardFn = Callable[[Prompt, list[str]], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -33,6 +33,7 @@ def guess_number(prompt: Prompt, replies: list[str]) -> float:
 
 
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+DECIMAL = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 1,234 and 3.5 are one number each
 
 
 @REWARDS.register("math")
@@ -42,7 +43,7 @@ def math_answer(prompt: Prompt, replies: list[str]) -> float:
         return 0.0
     text = replies[-1]
     boxed = BOXED.findall(text)
-    answer = boxed[-1].strip() if boxed else (NUMBER.findall(text) or [""])[-1]
+    answer = boxed[-1].strip() if boxed else (DECIMAL.findall(text) or [""])[-1]
     return float(_normalize(answer) == _normalize(prompt.label))
 
 

@@ -17,15 +17,21 @@ async def rollout_single_turn(ctx: RolloutContext, prompts: list[Prompt]) -> lis
 
 
 async def sample_one(ctx: RolloutContext, prompt: Prompt, k: int) -> Sample:
+    fields = {"rid": f"p{prompt.index}-s{k}-{uuid.uuid4().hex[:8]}"}
+    if ctx.lora_path:
+        fields["lora_path"] = ctx.lora_path
+    return await generate_sample(ctx, prompt, fields)
+
+
+async def generate_sample(ctx: RolloutContext, prompt: Prompt, request_fields: dict[str, str]) -> Sample:
+    """One /generate of `prompt` with `request_fields` (rid, and lora_path/extra_key when set), scored."""
     prompt_ids = ctx.tokenizer.first_turn_ids(prompt.messages, None, {})
     payload = {
         "input_ids": prompt_ids,
         "sampling_params": ctx.sampling_params(),
         "return_logprob": True,
-        "rid": f"p{prompt.index}-s{k}-{uuid.uuid4().hex[:8]}",
+        **request_fields,
     }
-    if ctx.lora_path:
-        payload["lora_path"] = ctx.lora_path
     result = await ctx.client.generate(payload)
     output_ids, log_probs = response.output_token_logprobs(result)
     text = result.get("text", "")

@@ -14,7 +14,8 @@ def test_shipped_plugins_cover_the_names_the_configs_use():
 
 
 def test_unknown_task_lists_the_registered_tasks():
-    with pytest.raises(PluginError, match=r"unknown task 'gsm9k'; registered tasks: arith, count, guess_number"):
+    registered = r"registered tasks: arith, count, count_retry, guess_number, jsonl"
+    with pytest.raises(PluginError, match=rf"unknown task 'gsm9k'; {registered}"):
         make_task("gsm9k", seed=0)
 
 
