@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,13 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.report import write_result
 from miles_runner.engine.tiny_model import ensure_tiny_model
 from miles_runner.runtime.ports import free_port
 
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS = BENCH_DIR / "results" / "engine_throughput.json"
-REPORT = BENCH_DIR / "REPORT.md"
-SECTION = "## Embedded engine throughput"
 CONCURRENCY = (1, 4, 16)
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -126,12 +122,8 @@ def measure(per_client: int, max_new_tokens: int) -> dict:
 
 
 def write_report(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     rates = results["http_tokens_per_s"]
     lines = [
-        SECTION,
-        "",
         f"`python -m bench.engine_throughput` ({results['model']}, {results['max_new_tokens']} new tokens per request,"
         f" {results['cpu_count']} CPUs, 1-min load {results['load_average_1m']:.1f}):",
         "",
@@ -142,13 +134,8 @@ def write_report(results: dict) -> None:
         f"Speed-up at 16 vs 1: {results['speedup_16_vs_1']}x (target >= 4x). In-process engine (no HTTP): "
         f"{results['in_process_tokens_per_s']['1']} tok/s at 1, {results['in_process_tokens_per_s']['16']} at 16; "
         f"HTTP overhead {results['http_overhead_pct_at_1']}% at 1, {results['http_overhead_pct_at_16']}% at 16.",
-        "",
     ]
-    section = "\n".join(lines)
-    text = REPORT.read_text() if REPORT.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"{re.escape(SECTION)}\n.*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(section.rstrip("\n"), text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-    REPORT.write_text(text.rstrip("\n") + "\n")
+    write_result("engine_throughput", results, lines)
 
 
 def main() -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections import Counter
 
+from miles_runner.engine.client import EngineUnavailable
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.producer import request_fields
 from miles_runner.multi_lora.registry import AdapterRun
@@ -22,6 +24,10 @@ from miles_runner.rollout.plugins import get_reward, make_task
 from miles_runner.rollout.single_turn import generate_sample
 from miles_runner.rollout.tasks import Prompt, Task
 from miles_runner.session.samples import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILURES = 32
 
 
 class MultiLoRARollout:
@@ -32,6 +38,8 @@ class MultiLoRARollout:
         self.cursors: dict[str, int] = {}  # per adapter: the index of its next prompt
         self.aborted: Counter[str] = Counter()  # per adapter: samples that ended aborted (posted or not)
         self.posted: Counter[str] = Counter()  # per adapter: requests posted
+        self.tokens_generated = 0  # response tokens of every answer, all adapters
+        self.consecutive_failures = 0  # requests that failed in a row (the engine unreachable)
         self._tasks: dict[tuple[str, int], Task] = {}
 
     def next_prompt(self, run: AdapterRun, index: int) -> Prompt:
@@ -59,10 +67,25 @@ class MultiLoRARollout:
             self.aborted[run.name] += 1
             return unposted_sample(prompt)
         self.posted[run.name] += 1
-        sample = await generate_sample(ctx, prompt, fields)
+        try:
+            sample = await generate_sample(ctx, prompt, fields)
+        except EngineUnavailable as error:
+            return self._failed(run, prompt, error)
+        self.consecutive_failures = 0
+        self.tokens_generated += sample.response_length
         if sample.status is SampleStatus.ABORTED:
             self.aborted[run.name] += 1
         return sample
+
+    def _failed(self, run: AdapterRun, prompt: Prompt, error: EngineUnavailable) -> Sample:
+        """A dropped connection (e.g. a keep-alive closed as the request went out) costs one group, not the run;
+        an engine that stays unreachable ends it (the producer fails, and the next collect raises)."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures > MAX_CONSECUTIVE_FAILURES:
+            raise error
+        log.warning("adapter %s: a request failed, its group is dropped: %r", run.name, error)
+        self.aborted[run.name] += 1
+        return unposted_sample(prompt)
 
     def _task(self, run: AdapterRun) -> Task:
         key = (run.config.task, self.seed)

@@ -17,8 +17,8 @@ from typing import Any
 from miles_runner.plan.model import Plan
 from miles_runner.session.samples import Sample
 
-# Fault switch for the test that shows learning depends on rollouts using the trained adapter: the engines
-# keep the initial (identity) adapter for the whole run. Never set outside that test.
+# Fault switch for the test that shows learning depends on rollouts using the trained adapter: every sync
+# pushes the initial (identity) adapter instead of the trained one. Never set outside that test.
 FAULT_FREEZE_ROLLOUT_ADAPTER = "MILES_FAULT_FREEZE_ROLLOUT_ADAPTER"
 
 
@@ -68,8 +68,9 @@ class Driver:
             start = meta["step"]
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
         sync = make_sync(plan, engines, plan.adapters[0].lora_path)
+        self.initial_adapter = trainer.adapter_state()
         try:
-            await sync.push(trainer.adapter_state(), trainer.adapter_config(), start)
+            await sync.push(self.initial_adapter, trainer.adapter_config(), start)
             await self._steps(trainer, sync, ctx, stream, start)
             trainer.save_adapter(self.run_dir / "adapter")
         finally:
@@ -124,9 +125,10 @@ class Driver:
                          "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
     async def _sync(self, trainer, sync, version: int):
-        if self.freeze_adapter:
-            return None
-        return await sync.push(trainer.adapter_state(), trainer.adapter_config(), version)
+        # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
+        # versions run as usual, only the trained weights never reach the rollouts.
+        tensors = self.initial_adapter if self.freeze_adapter else trainer.adapter_state()
+        return await sync.push(tensors, trainer.adapter_config(), version)
 
     def _checkpoint_due(self, done: int) -> bool:
         interval = self.plan.checkpoint.interval
@@ -151,8 +153,8 @@ def step_record(step, samples, rollout_metrics, train_metrics, train_s, report) 
     record.update({f"train/{k}": v for k, v in train_metrics.items() if k not in ("step", "reward_mean")})
     record["train/seconds"] = train_s
     record["train/logprob_abs_diff"] = train_metrics.get("rollout_logprob_abs_diff")
-    record["weight_version"] = step + 1 if report else None
-    record["sync/seconds"] = report.seconds if report else None
+    record["weight_version"] = report.version
+    record["sync/seconds"] = report.seconds
     return record
 
 

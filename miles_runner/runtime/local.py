@@ -53,7 +53,25 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-class LocalExecutor:
+class Executor:
+    """Start the plan's servers on enter, stop every one of them on exit (whatever ended the block)."""
+
+    def start(self) -> Deployment:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class LocalExecutor(Executor):
     def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
         self.plan = plan
         self.run_dir = Path(run_dir)
@@ -129,11 +147,3 @@ class LocalExecutor:
 
     def stop(self) -> None:
         self.group.stop()
-
-    def __enter__(self) -> Deployment:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

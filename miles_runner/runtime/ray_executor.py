@@ -10,11 +10,10 @@ agents and routable addresses, which the plan does not render yet).
 from __future__ import annotations
 
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from miles_runner.plan.model import Plan, plan_to_dict
-from miles_runner.runtime.local import Deployment, LocalExecutor
+from miles_runner.runtime.local import Deployment, Executor, LocalExecutor
 
 
 class NodeAgentBody:
@@ -34,7 +33,7 @@ class NodeAgentBody:
         self.executor.stop()
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
         self.plan, self.run_dir, self.startup_timeout_s = plan, Path(run_dir), startup_timeout_s
         self.agent = None
@@ -77,14 +76,6 @@ class RayExecutor:
             ray.shutdown()
             self.owns_ray = False
 
-    def __enter__(self) -> Deployment:
-        return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-
-def make_executor(plan: Plan, run_dir: Path) -> LocalExecutor | RayExecutor:
+def make_executor(plan: Plan, run_dir: Path) -> Executor:
     return RayExecutor(plan, run_dir) if plan.executor.kind == "ray" else LocalExecutor(plan, run_dir)

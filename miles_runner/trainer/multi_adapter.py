@@ -70,6 +70,8 @@ class MultiAdapterTrainer:
                            target_modules=["q_proj"], task="", reward="", lr=0.0, rollout_batch_size=1,
                            n_samples_per_prompt=1)
         self.model = get_peft_model(base, lora_model.lora_config(idle), adapter_name=IDLE_ADAPTER)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
         self.pad_id = AutoTokenizer.from_pretrained(str(model_path)).pad_token_id or 0
         self.slots: dict[int, _Slot] = {}
 

@@ -1,0 +1,136 @@
+"""A multi-LoRA run end to end on CPU (controller service, embedded engine, multi-adapter trainer): three
+adapters train at once; mid-run `victim` is retired over HTTP (DELETE) while a request of it is in flight,
+then its name is registered again (POST) for a new tenant. Asserted from the trained groups' stamps (adapter,
+slot version, registration id) recorded in multi_lora_events.jsonl."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from miles_runner.plan.record import read_plan
+
+from .runs import TOKEN, events, metrics, plan_run, start_driver, wait_for
+
+pytestmark = pytest.mark.slow
+
+RUNS = ("adapters.runs=[{name: count, task: count}, {name: guess, task: guess_number, reward: guess_number},"
+        " {name: victim, task: arith}]")
+OVERRIDES = (RUNS, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "algorithm.num_steps=5",
+             "checkpoint.interval=2")
+NEW_TENANT = {"task": "count", "num_step": 2}  # and its own save folder: a new tenant, not a resume
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class Run:
+    dir: Path
+    probe: dict[str, Any]  # the engine's answer to the victim's long request, in flight at the retire
+    registrations: dict[str, list[str]]  # name -> registration ids, in load order
+
+
+def long_request(engine_url: str, slot: int) -> dict[str, Any]:
+    body = {"input_ids": [1, 2, 3, 4], "lora_path": f"__miles_slot_{slot}", "rid": "victim::probe",
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    return httpx.post(f"{engine_url}/generate", json=body, timeout=300, trust_env=False).json()
+
+
+def register_when_slot_is_free(api: httpx.Client, name: str, config: dict[str, Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (reply := api.post("/adapter_runs", json={"name": name, "config": config})).status_code == 400:
+        assert "cleaning up" in reply.text or "already registered" in reply.text, reply.text
+        assert time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    run_dir = plan_run(tmp_path_factory.mktemp("lifecycle") / "outputs", *OVERRIDES)
+    plan = read_plan(run_dir / "plan.yaml")
+    proc = start_driver(run_dir)
+    try:
+        with httpx.Client(base_url=plan.multi_lora.launch.url, headers=AUTH, trust_env=False) as api, \
+                ThreadPoolExecutor(1) as pool:
+            wait_for(lambda: any("victim/step" in r for r in metrics(run_dir)), proc, timeout_s=240)
+            slot = api.get("/adapter_runs/victim").json()["slot"]
+            probe = pool.submit(long_request, plan.engines[0].launch.url, slot)
+            time.sleep(1.0)  # let it start decoding
+            assert api.delete("/adapter_runs/victim").status_code == 200
+            answer = probe.result(timeout=120)
+            new_tenant = {**NEW_TENANT, "save": str(run_dir / "adapters" / "victim-tenant-2")}
+            register_when_slot_is_free(api, "victim", new_tenant, timeout_s=120)
+        out, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    loads = events(run_dir, "loaded")
+    registrations = {e["name"]: [x["registration_id"] for x in loads if x["name"] == e["name"]] for e in loads}
+    return Run(run_dir, answer, registrations)
+
+
+def first_retire(run_dir: Path, name: str) -> int:
+    return min(e["iteration"] for e in events(run_dir, "retired") if name in e["names"])
+
+
+def trained_groups(run_dir: Path) -> list[tuple[int, list]]:
+    return [(e["iteration"], group) for e in events(run_dir, "trained") for group in e["groups"]]
+
+
+def test_the_retired_adapters_in_flight_request_ends_aborted(run):
+    assert run.probe["meta_info"]["finish_reason"]["type"] == "abort"
+    assert run.probe["meta_info"]["completion_tokens"] < 4000
+
+
+def test_no_group_of_the_retired_registration_is_trained_after_its_retire(run):
+    retired_at = first_retire(run.dir, "victim")
+    old, new = run.registrations["victim"]
+    assert old != new
+    assert any(g[0] == "victim" and g[3] == old for it, g in trained_groups(run.dir) if it < retired_at)
+    assert not [g for it, g in trained_groups(run.dir) if it >= retired_at and g[3] == old]
+
+
+def test_every_trained_group_belongs_to_the_current_registration_of_its_adapter(run):
+    current: dict[str, str] = {}
+    timeline = sorted(events(run.dir), key=lambda e: e["iteration"])
+    for event in timeline:  # loads of an iteration are written before its training
+        if event["event"] == "loaded":
+            current[event["name"]] = event["registration_id"]
+        elif event["event"] == "trained":
+            for adapter, _slot, _version, registration, _index in event["groups"]:
+                assert registration == current[adapter], f"a foreign group of {adapter} reached training"
+
+
+def test_the_new_tenant_trains_and_the_others_carry_on_to_their_num_step(run):
+    retired_at = first_retire(run.dir, "victim")
+    new = run.registrations["victim"][1]
+    assert any(g[3] == new for _, g in trained_groups(run.dir))
+    for name in ("count", "guess"):
+        assert any(g[0] == name for it, g in trained_groups(run.dir) if it > retired_at)
+    final = {name: max(r[f"{name}/step"] for r in metrics(run.dir) if f"{name}/step" in r)
+             for name in ("count", "guess", "victim")}
+    assert final == {"count": 5, "guess": 5, "victim": 2}
+
+
+def test_only_stepped_or_new_adapters_are_pushed(run):
+    pushes = events(run.dir, "pushed")
+    stepped = {e["iteration"]: set(e["step_names"]) for e in events(run.dir, "trained")}
+    for push in pushes[1:]:
+        loaded_now = {e["name"] for e in events(run.dir, "loaded") if e["iteration"] == push["iteration"]}
+        assert set(push["names"]) <= stepped.get(push["iteration"] - 1, set()) | loaded_now
+
+
+def test_per_adapter_metrics_plots_wandb_and_checkpoints(run):
+    keys = set().union(*metrics(run.dir))
+    for name in ("count", "guess", "victim"):
+        assert {f"{name}/reward/mean", f"{name}/train/loss", f"{name}/step"} <= keys
+        assert (run.dir / f"metrics_{name}.png").stat().st_size > 1000
+    assert list((run.dir / "wandb").glob("offline-run-*"))
+    assert sorted(p.name for p in (run.dir / "adapters" / "count" / "checkpoints").iterdir()) == ["step_4", "step_5"]
