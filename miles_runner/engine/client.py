@@ -60,6 +60,16 @@ def error_message(body: Any, fallback: str) -> str:
     return fallback
 
 
+# Idle pooled connections are dropped before uvicorn's 5 s keep-alive timeout closes them server-side:
+# reusing one the server is closing at that moment fails the request with a ReadError.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def pool_limits(max_connections: int = 1024) -> httpx.Limits:
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
 class EngineClient:
     """Async client of one SGLang-protocol server at `base_url` (an engine or a router).
 
@@ -80,7 +90,7 @@ class EngineClient:
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=pool_limits(max_connections),
             trust_env=False,  # engines are reached directly; a proxy from the environment would break that
         )
 

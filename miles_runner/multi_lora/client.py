@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from miles_runner.engine.client import pool_limits
 from miles_runner.multi_lora.registry import NoFreeSlotError, RegistrySnapshot, UnknownAdapterError
 
 ERRORS_BY_STATUS: dict[int, type[Exception]] = {400: ValueError, 404: UnknownAdapterError, 409: NoFreeSlotError}
@@ -24,6 +25,7 @@ class ControllerClient:
             headers={"Authorization": f"Bearer {api_token}"} if api_token else None,
             timeout=timeout_s,
             trust_env=False,  # the controller is on loopback; a proxy from the environment would break that
+            limits=pool_limits(),
         )
 
     async def register_adapter(self, name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from miles_runner.engine.client import pool_limits
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.tasks import Message, Prompt
 from miles_runner.session.codec import decode_samples
@@ -23,7 +24,8 @@ async def rollout_agentic(ctx: RolloutContext, prompts: list[Prompt]) -> list[Sa
 
     n = ctx.plan.batch.n_samples_per_prompt
     # One connection pool for the whole rollout: each episode's OpenAI client is a cheap view onto it.
-    async with httpx.AsyncClient(base_url=str(ctx.session_url), timeout=600, trust_env=False) as http:
+    async with httpx.AsyncClient(base_url=str(ctx.session_url), timeout=600, trust_env=False,
+                                 limits=pool_limits()) as http:
         agents = openai.AsyncOpenAI(base_url=str(ctx.session_url), api_key="local", http_client=http)
         episodes = [play_episode(ctx, http, agents, p) for p in prompts for _ in range(n)]
         return list(await asyncio.gather(*episodes))
