@@ -15,7 +15,7 @@ class MetricsFile:
 
     def append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as out:
-            out.write(json.dumps(record, allow_nan=False, default=_plain) + "\n")
+            out.write(json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False) + "\n")
             out.flush()
 
     def read(self) -> list[dict[str, Any]]:
@@ -30,8 +30,9 @@ class MetricsFile:
 
 
 def _plain(value: Any) -> Any:
+    """JSON-safe: tensors and numpy scalars as numbers, NaN and infinities as null."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    return str(value)
+    return value if value is None or isinstance(value, bool | int | float | str | list | dict) else str(value)
