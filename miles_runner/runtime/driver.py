@@ -41,6 +41,10 @@ class Driver:
         self.freeze_adapter = os.environ.get(FAULT_FREEZE_ROLLOUT_ADAPTER) == "1"
 
     def run(self) -> list[dict[str, Any]]:
+        if self.plan.capabilities.multi_lora:
+            from miles_runner.runtime.multi_lora_driver import MultiLoRADriver
+
+            return MultiLoRADriver(self.plan, self.run_dir, resume=self.resume).run()
         from miles_runner.runtime.ray_executor import make_executor
 
         with make_executor(self.plan, self.run_dir) as deployment:

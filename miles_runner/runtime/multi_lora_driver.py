@@ -110,8 +110,9 @@ class MultiLoRADriver:
         ctx = RolloutContext.from_plan(plan, rollout_client, None)
         self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed)
         self.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.sync.max_weight_staleness)
-        producer = GroupProducer(cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group,
-                                 concurrency=2 * m.slots)
+        producer = GroupProducer(
+            cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group, concurrency=2 * m.slots
+        )
         self.sync = make_sync(plan, self.engines, slot_lora_name(0))
         self.tracker = self._tracker()
         producer.start()
@@ -134,8 +135,9 @@ class MultiLoRADriver:
         done = MetricsFile(self.run_dir / "metrics.jsonl").read() if self.resume else []
         self.iteration = done[-1]["step"] + 1 if done else 0
         plan = self.plan
-        samples = sum((a.num_step or plan.batch.num_steps) * a.rollout_batch_size * a.n_samples_per_prompt
-                      for a in plan.adapters)
+        samples = sum(
+            (a.num_step or plan.batch.num_steps) * a.rollout_batch_size * a.n_samples_per_prompt for a in plan.adapters
+        )
         iterations = max(self.iteration + 1, -(-samples // plan.batch.global_batch_size))
         shown = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, num_steps=iterations))
         return Tracker(shown, self.run_dir, start_step=self.iteration)
@@ -254,8 +256,14 @@ class MultiLoRADriver:
             self.rollout.start_cursor(run.name, meta["cursor"])
         self.loaded[run.name] = run
         self.to_push.add(run.name)
-        self.events.write(self.iteration, "loaded", name=run.name, slot=run.slot,
-                          registration_id=run.registration_id, resumed_step=saved[1]["step"] if saved else None)
+        self.events.write(
+            self.iteration,
+            "loaded",
+            name=run.name,
+            slot=run.slot,
+            registration_id=run.registration_id,
+            resumed_step=saved[1]["step"] if saved else None,
+        )
 
     def _clean_up(self, name: str) -> None:
         """Final checkpoint (when checkpoints are on), then release the slot's adapter and optimizer."""
@@ -308,8 +316,13 @@ class MultiLoRADriver:
         from miles_runner.runtime.checkpoint import save_checkpoint
 
         meta = {"name": run.name, "cursor": self.rollout.cursors.get(run.name, 0)}
-        save_checkpoint(Path(run.config.save), step, self.trainer.state_dict(run.slot), meta,
-                        keep_last=self.plan.checkpoint.keep_last)
+        save_checkpoint(
+            Path(run.config.save),
+            step,
+            self.trainer.state_dict(run.slot),
+            meta,
+            keep_last=self.plan.checkpoint.keep_last,
+        )
 
     def _plot_adapters(self) -> None:
         from miles_runner.tracking.plots import plot_metrics
@@ -317,8 +330,14 @@ class MultiLoRADriver:
         records = self.tracker.records
         if not (self.plan.logger.plots and records):
             return
-        names = sorted({key.removesuffix("/reward/mean") for r in records for key in r
-                        if key.endswith("/reward/mean") and key != "reward/mean"})
+        names = sorted(
+            {
+                key.removesuffix("/reward/mean")
+                for r in records
+                for key in r
+                if key.endswith("/reward/mean") and key != "reward/mean"
+            }
+        )
         for name in names:
             plot_metrics(records, self.run_dir / f"metrics_{name}.png", prefix=f"{name}/")
 
@@ -326,8 +345,10 @@ class MultiLoRADriver:
 def main(argv: Sequence[str] | None = None) -> None:
     from miles_runner.plan.record import read_plan
 
-    parser = argparse.ArgumentParser(prog="python -m miles_runner.runtime.multi_lora_driver",
-                                     description="Run a recorded multi-LoRA plan (RUN_DIR/plan.yaml).")
+    parser = argparse.ArgumentParser(
+        prog="python -m miles_runner.runtime.multi_lora_driver",
+        description="Run a recorded multi-LoRA plan (RUN_DIR/plan.yaml).",
+    )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)

@@ -41,8 +41,9 @@ class MultiAdapterSettings:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> MultiAdapterSettings:
-        return cls(plan.algorithm, plan.optimizer, plan.trainer.parallel.micro_batch_size,
-                   plan.rollout.temperature, plan.seed)
+        return cls(
+            plan.algorithm, plan.optimizer, plan.trainer.parallel.micro_batch_size, plan.rollout.temperature, plan.seed
+        )
 
     def loss_config(self) -> PolicyLossConfig:
         a = self.algorithm
@@ -66,9 +67,19 @@ class MultiAdapterTrainer:
         self.settings = settings
         self.loss_config = settings.loss_config()
         base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        idle = AdapterPlan(name=IDLE_ADAPTER, lora_path=IDLE_ADAPTER, rank=1, alpha=1.0, dropout=0.0,
-                           target_modules=["q_proj"], task="", reward="", lr=0.0, rollout_batch_size=1,
-                           n_samples_per_prompt=1)
+        idle = AdapterPlan(
+            name=IDLE_ADAPTER,
+            lora_path=IDLE_ADAPTER,
+            rank=1,
+            alpha=1.0,
+            dropout=0.0,
+            target_modules=["q_proj"],
+            task="",
+            reward="",
+            lr=0.0,
+            rollout_batch_size=1,
+            n_samples_per_prompt=1,
+        )
         self.model = get_peft_model(base, lora_model.lora_config(idle), adapter_name=IDLE_ADAPTER)
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -121,8 +132,9 @@ class MultiAdapterTrainer:
         self._activate(entry)
         s = self.settings
         rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])
-        advantages = group_advantages(rewards, entry.adapter.n_samples_per_prompt,
-                                      s.algorithm.normalize_advantages_by_std)
+        advantages = group_advantages(
+            rewards, entry.adapter.n_samples_per_prompt, s.algorithm.normalize_advantages_by_std
+        )
         full = pack_samples(samples, self.pad_id)
         old = full.rollout_log_probs if s.algorithm.use_rollout_logprobs else None  # else on-policy
         ref = self._reference_log_probs(full) if s.algorithm.kl_coef > 0 else None

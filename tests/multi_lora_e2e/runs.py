@@ -20,8 +20,14 @@ def plan_run(output_root: Path, *overrides: str) -> Path:
     """Compile +recipe=tiny_multi_lora with free ports and record it; returns the run folder."""
     from miles_runner.cli import single_run
 
-    args = ["+recipe=tiny_multi_lora", f"engine.base_port={free_port()}", f"adapters.api_port={free_port()}",
-            f"run.output_root={output_root}", "logger=wandb_offline", *overrides]
+    args = [
+        "+recipe=tiny_multi_lora",
+        f"engine.base_port={free_port()}",
+        f"adapters.api_port={free_port()}",
+        f"run.output_root={output_root}",
+        "logger=wandb_offline",
+        *overrides,
+    ]
     assert single_run(args, plan_only=True, argv=args) == 0
     [plan] = output_root.rglob("plan.yaml")
     return plan.parent

@@ -38,8 +38,14 @@ def wait_ports_free(run_dir: Path, timeout_s: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[Path, dict[str, int]]:
-    run_dir = plan_run(tmp_path_factory.mktemp("resume") / "outputs", RUNS, "rollout.rollout_batch_size=4",
-                       "rollout.n_samples_per_prompt=4", f"algorithm.num_steps={STEPS}", "checkpoint.interval=1")
+    run_dir = plan_run(
+        tmp_path_factory.mktemp("resume") / "outputs",
+        RUNS,
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        f"algorithm.num_steps={STEPS}",
+        "checkpoint.interval=1",
+    )
     first = start_driver(run_dir)
     try:
         wait_for(lambda: all(len(adapter_steps(run_dir, n)) >= 2 for n in NAMES), first, timeout_s=240)
@@ -65,7 +71,7 @@ def test_resumed_adapters_continue_their_step_count_for_num_step_more_steps(resu
     run_dir, saved = resumed
     for name in NAMES:
         steps = adapter_steps(run_dir, name)
-        after = steps[steps.index(saved[name] + 1):] if saved[name] + 1 in steps else []
+        after = steps[steps.index(saved[name] + 1) :] if saved[name] + 1 in steps else []
         assert after == list(range(saved[name] + 1, saved[name] + STEPS + 1)), steps
 
 

@@ -107,9 +107,9 @@ def test_single_adapter_is_served_as_miles_lora(plan):
 def test_multi_lora_adapters_get_slot_names_in_order(plan):
     p = plan(TINY_MULTI)
     assert [(a.name, a.lora_path) for a in p.adapters] == [
-        ("arith", "__miles_slot_0"),
-        ("reverse", "__miles_slot_1"),
-        ("count", "__miles_slot_2"),
+        ("count", "__miles_slot_0"),
+        ("retry", "__miles_slot_1"),
+        ("arith", "__miles_slot_2"),
     ]
 
 

@@ -215,7 +215,7 @@ CASES = [
     ),
     RuleCase(
         "adapter-batch-shape", TINY_MULTI,
-        (TINY_RUNS.format(first="{name: arith, rollout_batch_size: 32}"),),  # 32 x 4 > 4 x (4 x 4)
+        (TINY_RUNS.format(first="{name: arith, rollout_batch_size: 64}"),),  # 64 x 8 > 4 x (8 x 8)
         (TINY_RUNS.format(first="{name: arith, rollout_batch_size: 16}"),),
         "cap",
     ),
@@ -434,7 +434,7 @@ def test_list_item_set_on_the_command_line_is_shown_as_such(problems):
     ("rule_id", "overrides"),
     [
         ("adapter-fits-engine", [*TINY_MULTI, TINY_RUNS.format(first="{name: arith, target_modules: [gate_proj]}")]),
-        ("adapter-batch-shape", [*TINY_MULTI, TINY_RUNS.format(first="{name: arith, rollout_batch_size: 32}")]),
+        ("adapter-batch-shape", [*TINY_MULTI, TINY_RUNS.format(first="{name: arith, rollout_batch_size: 64}")]),
     ],
     ids=["list-value", "inherited-value"],
 )
