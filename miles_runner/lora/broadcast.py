@@ -56,7 +56,7 @@ class BroadcastSync(AdapterSync):
         self.timeout_s = timeout_s
         self._group: Any = None  # torch.distributed.ProcessGroup once connected
 
-    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
         from miles_runner.engine.weight_update_group import broadcast_tensors, dtype_name
 
         group = await self._connect()
@@ -65,12 +65,12 @@ class BroadcastSync(AdapterSync):
         dtypes = [dtype_name(t.dtype) for t in payload]
         shapes = [list(t.shape) for t in payload]
         try:
-            if self.loaded and not self.upsert:
-                await self._each(lambda c: unload_quietly(c, self.lora_name))
+            if name in self.loaded and not self.upsert:
+                await self._each(lambda c: unload_quietly(c, name))
             send = asyncio.to_thread(broadcast_tensors, payload, group)
             receive = [
                 c.load_lora_adapter_from_distributed(
-                    self.lora_name, config, names, dtypes, shapes, group_name=self.group_name, upsert=self.upsert
+                    name, config, names, dtypes, shapes, group_name=self.group_name, upsert=self.upsert
                 )
                 for c in self.clients
             ]

@@ -37,7 +37,8 @@ def tensor_bytes(tensors: Mapping[str, Any]) -> int:
 
 
 class AdapterSync:
-    """Pushes one adapter (`lora_name`) to every engine with the plan's pause, flush and version protocol."""
+    """Pushes adapters to every engine with the plan's pause, flush and version protocol: `lora_name` by
+    default, or the name a push gives (multi-LoRA slots share one strategy, and one broadcast group)."""
 
     def __init__(self, clients: Sequence[EngineClient], plan: Plan, lora_name: str, *, flush_timeout_s: float = 60):
         self.clients = list(clients)
@@ -46,22 +47,24 @@ class AdapterSync:
         self.pause_mode = plan.sync.pause_generation_mode
         self.flush = plan.sync.flush_cache
         self.flush_timeout_s = flush_timeout_s
-        self.loaded = False  # spec: the first load does not unload
+        self.loaded: set[str] = set()  # spec: the first load of a name does not unload
 
-    async def push(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int) -> SyncReport:
+    async def push(self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int,
+                   *, lora_name: str | None = None) -> SyncReport:
+        name = lora_name or self.lora_name
         start = time.perf_counter()
         try:  # continue even when a pause failed: the engines that did pause must not stay paused
             await self._each(lambda c: c.pause_generation(self.pause_mode))
             if self.flush:
                 await self._each(self._flush)
-            await self.load(tensors, config)
-            self.loaded = True
+            await self.load(tensors, config, name)
+            self.loaded.add(name)
             await self._each(lambda c: c.update_weight_version(str(version)))
         finally:
             await self._each(lambda c: c.continue_generation())
         return SyncReport(version, time.perf_counter() - start, len(self.clients), tensor_bytes(tensors))
 
-    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -81,13 +84,13 @@ class AdapterSync:
 class TensorSync(AdapterSync):
     """Colocated: unload, then load the adapter from tensors handed over in the request."""
 
-    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
         payload = serialize_adapter(self.engine_kind, tensors)
 
         async def reload(client: EngineClient) -> None:
-            if self.loaded:
-                await unload_quietly(client, self.lora_name)
-            await client.load_lora_adapter_from_tensors(self.lora_name, config, payload)
+            if name in self.loaded:
+                await unload_quietly(client, name)
+            await client.load_lora_adapter_from_tensors(name, config, payload)
 
         await self._each(reload)
 

@@ -13,7 +13,7 @@ from miles_runner.config.provenance import format_value
 from miles_runner.config.schema import MilesConfig
 from miles_runner.errors import PlanError, Problem
 from miles_runner.plan import render
-from miles_runner.plan.derive import Derived, adapter_value, derive
+from miles_runner.plan.derive import Derived, adapter_value, derive, resolved_targets
 from miles_runner.plan.model import (
     AdapterPlan,
     BatchPlan,
@@ -226,8 +226,6 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
 
 
 def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
-    from miles_runner.plan.derive import resolved_targets
-
     a, r = cfg.adapters, cfg.rollout
     if a.kind == "single":
         return [

@@ -294,9 +294,9 @@ class MultiLoRADriver:
 
     async def _push(self, run: AdapterRun) -> None:
         slot = run.slot
-        self.sync.lora_name = slot_lora_name(slot)  # one weight-update group serves every slot
         self.pushes += 1
-        await self.sync.push(self.trainer.adapter_state(slot), self.trainer.adapter_config(slot), self.pushes)
+        await self.sync.push(self.trainer.adapter_state(slot), self.trainer.adapter_config(slot), self.pushes,
+                             lora_name=slot_lora_name(slot))  # one weight-update group serves every slot
 
     async def _engines_restarted(self) -> bool:
         """An engine that does not report the last pushed weight version lost its adapters (or never had them)."""
