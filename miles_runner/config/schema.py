@@ -136,6 +136,7 @@ class AdapterRun:
     num_step: int | None = None
     num_epoch: int | None = None
     data: str = ""
+    agent: str | None = None  # the agent plug-in of its episodes when a session server runs; None: rollout.agent
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ class ExecutorConfig:
     kind: str = "local"
     ray_address: str = ""  # empty: start a local Ray on loopback
     health_timeout_s: float = 120.0
+    # Times the driver may restart each engine that died mid-run (multi-LoRA): the restarted engine gets
+    # every live adapter again. 0: a dead engine ends the run.
+    engine_restarts: int = 0
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,20 @@ def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Seque
             time.sleep(0.2)
 
 
+def ensure_worker(router_url: str, worker_url: str, timeout_s: float) -> None:
+    """Register `worker_url` again (POST /workers) unless the router still lists it, then wait until it does:
+    a router drops a worker that failed its health checks, e.g. an engine that died and was restarted."""
+    worker = worker_url.rstrip("/")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=router_url, timeout=5.0, trust_env=False) as http:
+        if worker not in _registered_workers(http):
+            http.post("/workers", json={"url": worker, "worker_type": "regular"})
+        while worker not in _registered_workers(http):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the router at {router_url} did not list {worker} within {timeout_s:g} s")
+            time.sleep(0.2)
+
+
 def worker_urls_of(body: Any) -> list[str]:
     """Worker URLs from GET /workers (`{"workers": [{"url"}]}`) or legacy GET /list_workers (`{"urls"}`)."""
     if "workers" in body:

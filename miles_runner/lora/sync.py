@@ -70,6 +70,11 @@ class AdapterSync:
     async def close(self) -> None:
         """Release what the strategy holds on the engines (the broadcast group); call once at shutdown."""
 
+    async def reset(self) -> None:
+        """Start over with engines that are new (restarted): nothing is loaded there, and no group is held."""
+        await self.close()
+        self.loaded.clear()
+
     async def _flush(self, client: EngineClient) -> None:
         deadline = time.monotonic() + self.flush_timeout_s
         while not await client.flush_cache():

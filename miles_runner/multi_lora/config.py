@@ -33,6 +33,8 @@ class AdapterRunConfig:
     num_epoch: int | None = None
     data: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)  # merged into every sample's metadata
+    # The agent plug-in that plays its episodes when the run has a session server; None: the run's rollout.agent.
+    agent: str | None = None
 
     @property
     def adapter_global_batch_size(self) -> int:
@@ -75,6 +77,7 @@ class AdapterLimits:
     dp_size: int
     tasks: tuple[str, ...]
     rewards: tuple[str, ...]
+    agents: tuple[str, ...] = ()
 
 
 def plan_overrides(adapter: AdapterPlan) -> dict[str, Any]:
@@ -91,6 +94,7 @@ def plan_overrides(adapter: AdapterPlan) -> dict[str, Any]:
         "num_step": adapter.num_step,
         "num_epoch": adapter.num_epoch,
         "data": adapter.data,
+        "agent": adapter.agent,
     }
 
 
@@ -116,6 +120,7 @@ def resolve_adapter_config(
         "n_samples_per_prompt": defaults.n_samples_per_prompt,
         "save": str(Path(defaults.save_root) / "adapters" / name) if defaults.save_root else "",
         "metadata": {},
+        "agent": None,
         **given,
     }
     problems = list(config_problems(values, limits))
@@ -177,6 +182,8 @@ def _plugin_problems(values: Mapping[str, Any], limits: AdapterLimits) -> list[s
         problems.append(f"unknown task {values['task']!r} (registered: {list(limits.tasks)})")
     if values["reward"] not in limits.rewards:
         problems.append(f"unknown reward {values['reward']!r} (registered: {list(limits.rewards)})")
+    if values["agent"] is not None and values["agent"] not in limits.agents:
+        problems.append(f"unknown agent {values['agent']!r} (registered: {list(limits.agents)})")
     return problems
 
 

@@ -36,10 +36,17 @@ GenerateGroup = Callable[[AdapterRun, Any], Awaitable[list[Sample]]]
 POLL_S = 0.01
 
 
+async def sampleable_tenant(cache: AdaptersCache, run: AdapterRun) -> AdapterRun | None:
+    """`run`'s tenant as the cache has it now (its slot, its latest version), or None if nothing may be posted
+    for it any more: retired, or its name re-registered since `run` was taken."""
+    current = await cache.get(run.name)
+    return current if current is not None and current.registration_id == run.registration_id else None
+
+
 async def request_fields(cache: AdaptersCache, run: AdapterRun) -> dict[str, str] | None:
     """`lora_path`, `rid` and `extra_key` for one request of `run`'s tenant, or None if it may not be posted."""
-    current = await cache.get(run.name)
-    if current is None or current.registration_id != run.registration_id:
+    current = await sampleable_tenant(cache, run)
+    if current is None:
         return None
     return adapter_request_fields(run.name, slot_lora_name(current.slot), current.version)
 

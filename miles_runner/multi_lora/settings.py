@@ -42,11 +42,11 @@ class ControllerSettings:
         return controller
 
 
-def registered_plugins() -> tuple[tuple[str, ...], tuple[str, ...]]:
+def registered_plugins() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     from miles_runner.rollout.plugins import registered
 
     names = registered()
-    return tuple(names["task"]), tuple(names["reward"])
+    return tuple(names["task"]), tuple(names["reward"]), tuple(names["agent"])
 
 
 def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
@@ -56,7 +56,7 @@ def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
         raise ValueError(f"plan {plan.name!r} starts no engines")
     m = plan.multi_lora
     max_rank, targets = m.max_lora_rank, tuple(m.target_modules)
-    tasks, rewards = registered_plugins()
+    tasks, rewards, agents = registered_plugins()
     limits = AdapterLimits(
         max_slots=plan.multi_lora.slots,
         max_lora_rank=max_rank,
@@ -65,6 +65,7 @@ def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
         dp_size=plan.trainer.parallel.dp,
         tasks=tasks,
         rewards=rewards,
+        agents=agents,
     )
     defaults = AdapterDefaults(
         rank=m.default_rank,
@@ -86,7 +87,7 @@ def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
 
 
 def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
-    tasks, rewards = registered_plugins()
+    tasks, rewards, agents = registered_plugins()
     targets = tuple(args.target_modules)
     limits = AdapterLimits(
         max_slots=args.max_slots,
@@ -96,6 +97,7 @@ def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
         dp_size=args.dp_size,
         tasks=tasks,
         rewards=rewards,
+        agents=agents,
     )
     defaults = AdapterDefaults(
         rank=args.lora_rank or args.max_lora_rank,

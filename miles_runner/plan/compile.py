@@ -252,6 +252,7 @@ def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
             num_step=run.num_step,
             num_epoch=run.num_epoch,
             data=run.data,
+            agent=run.agent,
         )
         for slot, run in enumerate(a.runs)
     ]

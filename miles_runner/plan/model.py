@@ -115,6 +115,7 @@ class AdapterPlan:
     num_step: int | None = None
     num_epoch: int | None = None
     data: str = ""
+    agent: str | None = None  # plays its episodes when a session server runs; None: rollout.agent
 
 
 @dataclass(frozen=True)

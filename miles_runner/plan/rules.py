@@ -45,7 +45,7 @@ POSITIVE_SIZES = (
 NON_NEGATIVE_SIZES = (
     "cluster.gpus_per_node", "cluster.cpu_slots_per_node", "topology.actor_num_nodes",
     "topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "algorithm.global_batch_size",
-    "adapters.max_slots", "engine.max_lora_rank",
+    "adapters.max_slots", "engine.max_lora_rank", "executor.engine_restarts",
 )
 
 
@@ -56,7 +56,8 @@ def sizes_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
     for key in POSITIVE_SIZES + NON_NEGATIVE_SIZES:
         value, least = lookup(cfg, key), 1 if key in POSITIVE_SIZES else 0
         if value < least:
-            yield Finding((key,), f"{key} counts processes, GPUs or samples; it must be at least {least}.", f"{key}=1")
+            yield Finding((key,), f"{key} is a count (of processes, GPUs, samples or restarts); it must be at least "
+                          f"{least}.", f"{key}={least}")
     if cfg.cluster.cpu_only and cfg.cluster.cpu_slots_per_node < 1:
         yield Finding(("cluster.cpu_slots_per_node",), "A cpu-only node needs at least one worker slot.",
                       "cluster.cpu_slots_per_node=1")
@@ -578,6 +579,8 @@ def _plugin_uses(cfg: MilesConfig, d: Derived) -> list[tuple[str, str, str]]:
         for i, run in enumerate(cfg.adapters.runs):
             item = f"adapters.runs[{i}]"
             uses += [(f"{item}.task", run.task, "task"), (f"{item}.reward", run.reward, "reward")]
+            if run.agent is not None:
+                uses.append((f"{item}.agent", run.agent, "agent"))
     return uses
 
 

@@ -1,13 +1,18 @@
 """Agentic rollout: an agent plays each episode through the session server with the official OpenAI client.
 
-Per episode: POST /sessions -> the agent chats at base_url=.../sessions/{id}/v1 (the server owns the tokens,
-puts the adapter on every turn and records everything) -> reward from the transcript -> POST
-/sessions/{id}/samples (the assembled training sample) -> DELETE the session, whatever happened.
+Per episode: POST /sessions (bound to a multi-LoRA adapter slot when one is given) -> the agent chats at
+base_url=.../sessions/{id}/v1 (the server owns the tokens, puts the adapter on every turn and records
+everything) -> reward from the transcript -> POST /sessions/{id}/samples (the assembled training sample) ->
+DELETE the session, whatever happened.
+
+A turn that comes back aborted (finish_reason "abort": the engine cut it short) ends the episode with
+`EpisodeAborted`, and so does a `before_turn` check that says no: nothing more is sent for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -18,41 +23,76 @@ from miles_runner.rollout.tasks import Message, Prompt
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.samples import Sample
 
+BeforeTurn = Callable[[], Awaitable[bool]]  # asked before each turn is sent: may the episode go on?
+
+
+class EpisodeAborted(Exception):
+    """The episode ended early: a turn was aborted by the engine, or `before_turn` stopped it."""
+
+
+class SessionClients:
+    """One connection pool to the session server for many episodes, and the OpenAI client the agents chat
+    through (each episode's client is a cheap view of it, pointed at its session)."""
+
+    def __init__(self, session_url: str) -> None:
+        import openai
+
+        self.url = session_url
+        self.http = httpx.AsyncClient(base_url=session_url, timeout=600, trust_env=False, limits=pool_limits())
+        self.openai = openai.AsyncOpenAI(base_url=session_url, api_key="local", http_client=self.http)
+
+    def agent_client(self, session_id: str) -> Any:
+        return self.openai.with_options(base_url=f"{self.url}/sessions/{session_id}/v1")
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> SessionClients:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
 
 async def rollout_agentic(ctx: RolloutContext, prompts: list[Prompt]) -> list[Sample]:
-    import openai
-
     n = ctx.plan.batch.n_samples_per_prompt
-    # One connection pool for the whole rollout: each episode's OpenAI client is a cheap view onto it.
-    async with httpx.AsyncClient(base_url=str(ctx.session_url), timeout=600, trust_env=False,
-                                 limits=pool_limits()) as http:
-        agents = openai.AsyncOpenAI(base_url=str(ctx.session_url), api_key="local", http_client=http)
-        episodes = [play_episode(ctx, http, agents, p) for p in prompts for _ in range(n)]
-        return list(await asyncio.gather(*episodes))
+    async with SessionClients(str(ctx.session_url)) as clients:
+        return list(await asyncio.gather(*(play_episode(ctx, clients, p) for p in prompts for _ in range(n))))
 
 
-async def play_episode(ctx: RolloutContext, http: httpx.AsyncClient, agents: Any, prompt: Prompt) -> Sample:
-    created = await http.post("/sessions")
+async def play_episode(
+    ctx: RolloutContext,
+    clients: SessionClients,
+    prompt: Prompt,
+    *,
+    adapter: dict[str, Any] | None = None,
+    before_turn: BeforeTurn | None = None,
+) -> Sample:
+    """One episode of `ctx.agent` on `ctx.task`, scored by `ctx.reward`, in a session of its own; `adapter`
+    ({"name", "lora_path", "version"}) binds the session to a multi-LoRA slot. Raises EpisodeAborted."""
+    created = await clients.http.post("/sessions", json={"adapter": adapter} if adapter else None)
     created.raise_for_status()
     session_id = created.json()["session_id"]
     try:
-        agent_client = agents.with_options(base_url=f"{ctx.session_url}/sessions/{session_id}/v1")
-        episode = await ctx.agent(ctx.task, prompt, chat_fn(ctx, agent_client), ctx.plan.rollout.max_turns)
-        reply = await http.post(f"/sessions/{session_id}/samples", json={"max_seq_len": None})
+        chat = chat_fn(ctx, clients.agent_client(session_id), before_turn)
+        episode = await ctx.agent(ctx.task, prompt, chat, ctx.plan.rollout.max_turns)
+        reply = await clients.http.post(f"/sessions/{session_id}/samples", json={"max_seq_len": None})
         if reply.status_code != 200:
             raise RuntimeError(f"session {session_id}: /samples answered {reply.status_code}: {reply.text}")
         [sample] = decode_samples(reply.content).samples
     finally:
-        await http.delete(f"/sessions/{session_id}")
+        await clients.http.delete(f"/sessions/{session_id}")
     sample.reward = ctx.reward(prompt, episode.replies)
     sample.metadata.update(prompt_index=prompt.index, label=prompt.label, turns=len(episode.replies))
     return sample
 
 
-def chat_fn(ctx: RolloutContext, client: Any):
+def chat_fn(ctx: RolloutContext, client: Any, before_turn: BeforeTurn | None = None):
     params = ctx.sampling_params()
 
     async def chat(messages: list[Message]) -> str:
+        if before_turn is not None and not await before_turn():
+            raise EpisodeAborted("stopped before the next turn")
         completion = await client.chat.completions.create(
             model="default",
             messages=messages,
@@ -60,6 +100,9 @@ def chat_fn(ctx: RolloutContext, client: Any):
             temperature=params["temperature"],
             top_p=params["top_p"],
         )
-        return completion.choices[0].message.content or ""
+        choice = completion.choices[0]
+        if choice.finish_reason == "abort":
+            raise EpisodeAborted(f"turn {completion.id} was aborted by the engine")
+        return choice.message.content or ""
 
     return chat

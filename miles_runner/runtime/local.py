@@ -3,24 +3,35 @@
 Engines (started together, then each waited for) -> router -> session server. The trainer runs in the
 driver's own process. Whatever happens (success, an exception, Ctrl-C), every process started is stopped,
 newest first; ports are checked before anything starts, so a busy port fails fast with its name.
+
+An engine that dies mid-run is started again on the same port by `restart_dead_engines`, at most
+`executor.engine_restarts` times each (and registered with the router again); it comes back without adapters,
+which the driver notices from its weight version and pushes again.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from miles_runner.engine.router import router_executable, wait_for_workers
+from miles_runner.engine.router import ensure_worker, router_executable, wait_for_workers
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.render import PYTHON
 from miles_runner.runtime.process import ManagedProcess, ProcessGroup
 
+logger = logging.getLogger(__name__)
+
 
 class PortBusyError(RuntimeError):
     pass
+
+
+class EngineLostError(RuntimeError):
+    """An engine died and may not be restarted (`executor.engine_restarts` is used up)."""
 
 
 @dataclass
@@ -62,6 +73,10 @@ class Executor:
     def stop(self) -> None:
         raise NotImplementedError
 
+    def restart_dead_engines(self) -> list[int]:
+        """Start again each engine that died; returns their indices. Raises EngineLostError past the limit."""
+        raise NotImplementedError
+
     def __enter__(self) -> Deployment:
         return self.start()
 
@@ -77,6 +92,8 @@ class LocalExecutor(Executor):
         self.run_dir = Path(run_dir)
         self.startup_timeout_s = startup_timeout_s or plan.executor.health_timeout_s
         self.group = ProcessGroup()
+        self.engines: list[ManagedProcess] = []  # by engine index, the current process of each
+        self.restarts = [0] * len(plan.engines)
 
     def launches(self) -> list[tuple[str, Launch]]:
         named = [(f"engine{e.index}", e.launch) for e in self.plan.engines]
@@ -137,6 +154,7 @@ class LocalExecutor(Executor):
                 engine.stop()
             self.group.stop()
             raise
+        self.engines = engines
         plan = self.plan
         return Deployment(
             engine_urls=[e.launch.url for e in plan.engines],
@@ -147,3 +165,27 @@ class LocalExecutor(Executor):
 
     def stop(self) -> None:
         self.group.stop()
+
+    def restart_dead_engines(self) -> list[int]:
+        restarted = [index for index, engine in enumerate(self.engines) if not engine.alive]
+        for index in restarted:
+            self._restart_engine(index)
+        return restarted
+
+    def _restart_engine(self, index: int) -> None:
+        dead, engine = self.engines[index], self.plan.engines[index]
+        code = dead.returncode
+        limit = self.plan.executor.engine_restarts
+        if self.restarts[index] >= limit:
+            raise EngineLostError(
+                f"engine{index} ({engine.launch.url}) exited with code {code} and executor.engine_restarts={limit} "
+                f"restart(s) are used up; see {dead.log_path}. Raise executor.engine_restarts to let the run go on."
+            )
+        self.restarts[index] += 1
+        logger.warning("engine%d exited with code %s; restart %d of %d", index, code, self.restarts[index], limit)
+        dead.stop()  # reaps it, and whatever of its process group is left
+        if not port_is_free(engine.launch.host, engine.launch.port):
+            raise EngineLostError(f"engine{index} died, but its port {engine.launch.port} is still held")
+        self.engines[index] = self.group.replace(dead, self.process(f"engine{index}", engine.launch))
+        if self.plan.router:
+            ensure_worker(self.plan.router.launch.url, engine.launch.url, self.startup_timeout_s)

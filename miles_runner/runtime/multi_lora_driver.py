@@ -4,6 +4,10 @@
     loop: reconcile (retire -> clean up -> load) -> push adapters that stepped or are new -> collect a batch
           -> record its adapters -> train -> mark it trained (only after a successful train) -> log, checkpoint
 
+Engines that died are restarted before each push (at most `executor.engine_restarts` times each); an engine
+that does not report the last pushed weight version is new (the run's start, a restart here or elsewhere), and
+then every loaded adapter is pushed again, through a fresh weight-update group.
+
 Bounded mode ends when no adapter is left to load, train or clean up (each retires itself after its num_step);
 service mode waits for registrations instead. Every iteration appends a record to metrics.jsonl with
 per-adapter namespaces (`{adapter}/reward/mean`, `{adapter}/train/loss`, `{adapter}/step`, ...), and a line to
@@ -44,7 +48,7 @@ def adapter_plan(run: AdapterRun) -> AdapterPlan:
         name=run.name, lora_path=slot_lora_name(run.slot), rank=c.rank, alpha=c.alpha, dropout=0.0,
         target_modules=list(c.target_modules), task=c.task, reward=c.reward, lr=c.lr,
         rollout_batch_size=c.rollout_batch_size, n_samples_per_prompt=c.n_samples_per_prompt,
-        num_step=c.num_step, num_epoch=c.num_epoch, data=c.data,
+        num_step=c.num_step, num_epoch=c.num_epoch, data=c.data, agent=c.agent,
     )  # fmt: skip
 
 
@@ -86,7 +90,8 @@ class MultiLoRADriver:
     def run(self) -> list[dict[str, Any]]:
         from miles_runner.runtime.ray_executor import make_executor
 
-        with make_executor(self.plan, self.run_dir) as deployment, controller_process(self.plan, self.run_dir):
+        self.executor = make_executor(self.plan, self.run_dir)
+        with self.executor as deployment, controller_process(self.plan, self.run_dir):
             return asyncio.run(self._main(deployment))
 
     async def _main(self, deployment) -> list[dict[str, Any]]:
@@ -107,8 +112,10 @@ class MultiLoRADriver:
         rollout_client = EngineClient(deployment.rollout_url)
         self.controller = ControllerClient(m.launch.url, api_token=os.environ.get(TOKEN_ENV) or None)
         cache = AdaptersCache(self.controller.snapshot, ttl_s=CACHE_TTL_S)
-        ctx = RolloutContext.from_plan(plan, rollout_client, None)
-        self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed)
+        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
+        # Failing requests are tolerated while a lost engine can be noticed (a collect times out) and restarted.
+        grace_s = m.max_empty_wait_s + plan.executor.health_timeout_s
+        self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed, unreachable_grace_s=grace_s)
         self.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.sync.max_weight_staleness)
         producer = GroupProducer(
             cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group, concurrency=2 * m.slots
@@ -120,6 +127,7 @@ class MultiLoRADriver:
             await self._loop()
         finally:
             await producer.stop()
+            await self.rollout.aclose()
             await self.sync.close()
             self.tracker.close()
             self._plot_adapters()
@@ -156,6 +164,7 @@ class MultiLoRADriver:
                 await asyncio.sleep(m.idle_poll_s)
                 continue
             await self._reconcile()
+            await self._restart_dead_engines()
             sync_s = await self._update_weights()
             snapshot = await self.controller.snapshot()
             if not snapshot.sampleable:
@@ -217,6 +226,8 @@ class MultiLoRADriver:
             record[f"{name}/dropped/{reason}"] = count
         for name, count in self.rollout.aborted.items():
             record[f"{name}/rollout/aborted"] = count
+        for name, turns in _mean_by_adapter(samples, "turns").items():
+            record[f"{name}/rollout/turns_mean"] = turns
         return record
 
     def _token_rate(self) -> float:
@@ -279,16 +290,30 @@ class MultiLoRADriver:
         self.to_push.discard(name)
         self.events.write(self.iteration, "cleaned_up", name=name, slot=run.slot)
 
+    async def _restart_dead_engines(self) -> None:
+        """Engines that died come back (the executor's `engine_restarts` allowing) before the next push."""
+        restarted = await asyncio.to_thread(self.executor.restart_dead_engines)
+        if restarted:
+            self.events.write(self.iteration, "engines_restarted", engines=restarted)
+
     async def _update_weights(self) -> float:
-        """Push the adapters that stepped or are new; every loaded one when an engine lost them (restarted)."""
+        """Push the adapters that stepped or are new; every loaded one when the engines are new (at the start,
+        or an engine restarted and lost them)."""
         started = time.perf_counter()
-        names = set(self.loaded) if await self._engines_restarted() else self.to_push & set(self.loaded)
+        engines_new = await self._engines_new()
+        if engines_new:
+            await self.sync.reset()  # a new engine holds no adapter and is in no weight-update group
+        names = set(self.loaded) if engines_new else self.to_push & set(self.loaded)
         for name in sorted(names, key=lambda n: self.loaded[n].slot):
             await self._push(self.loaded[name])
         bumped = sorted(self.to_push & names)
         if bumped:
             await self.controller.record_weight_update(bumped)
             self.events.write(self.iteration, "pushed", names=bumped)
+        if engines_new:
+            self.events.write(self.iteration, "pushed_all", names=sorted(names), engine_adapters=[
+                sorted(card["id"] for card in (await engine.list_models())[1:]) for engine in self.engines
+            ])  # fmt: skip
         self.to_push -= names
         return time.perf_counter() - started
 
@@ -298,7 +323,7 @@ class MultiLoRADriver:
         await self.sync.push(self.trainer.adapter_state(slot), self.trainer.adapter_config(slot), self.pushes,
                              lora_name=slot_lora_name(slot))  # one weight-update group serves every slot
 
-    async def _engines_restarted(self) -> bool:
+    async def _engines_new(self) -> bool:
         """An engine that does not report the last pushed weight version lost its adapters (or never had them)."""
         if not self.loaded:
             return False
@@ -340,6 +365,15 @@ class MultiLoRADriver:
         )
         for name in names:
             plot_metrics(records, self.run_dir / f"metrics_{name}.png", prefix=f"{name}/")
+
+
+def _mean_by_adapter(samples, key: str) -> dict[str, float]:
+    """The mean of a sample metadata field per adapter, over the samples that carry it (agentic episodes)."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        if key in sample.metadata:
+            values.setdefault(sample.metadata["adapter"], []).append(float(sample.metadata[key]))
+    return {name: sum(v) / len(v) for name, v in values.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -177,6 +177,18 @@ class ProcessGroup:
                 raise
             self._processes.append(process)
 
+    def replace(self, old: ManagedProcess, new: ManagedProcess) -> ManagedProcess:
+        """Start `new` (healthy, or it raises) in `old`'s place in the stop order; `old` must be stopped."""
+        position = self._processes.index(old)
+        try:
+            new.start()
+            new.wait_healthy()
+        except BaseException:
+            new.stop()
+            raise
+        self._processes[position] = new
+        return new
+
     def adopt(self, process: ManagedProcess) -> ManagedProcess:
         """Take over a process that is already running and healthy (e.g. from `start_engine`)."""
         self._processes.append(process)

@@ -32,6 +32,9 @@ class NodeAgentBody:
     def stop(self) -> None:
         self.executor.stop()
 
+    def restart_dead_engines(self) -> list[int]:
+        return self.executor.restart_dead_engines()
+
 
 class RayExecutor(Executor):
     def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
@@ -62,6 +65,11 @@ class RayExecutor(Executor):
             raise
         self.pids = info["pids"]
         return Deployment(info["engine_urls"], info["rollout_url"], info["session_url"])
+
+    def restart_dead_engines(self) -> list[int]:
+        import ray
+
+        return ray.get(self.agent.restart_dead_engines.remote())
 
     def stop(self) -> None:
         import ray

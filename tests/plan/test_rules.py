@@ -58,6 +58,7 @@ CASES = [
     # ---- preconditions (checked alone, before the rules that divide by these sizes) ----
     RuleCase("sizes-positive", CPU, ("trainer.parallel.tp=0",), ("trainer.parallel.tp=1",)),
     RuleCase("sizes-positive", CPU, ("cluster.cpu_slots_per_node=0",), ("cluster.cpu_slots_per_node=1",), "cpu-slots"),
+    RuleCase("sizes-positive", CPU, ("executor.engine_restarts=-1",), ("executor.engine_restarts=2",), "restarts"),
     # ---- session server and pause mode ----
     RuleCase(
         "session-needs-resumable-pause", TINY, ("pause_generation_mode=abort",), ("pause_generation_mode=in_place",)

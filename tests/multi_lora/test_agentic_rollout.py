@@ -1,0 +1,271 @@
+"""Multi-LoRA rollouts through the session server (spec §2, §4.5, §4.6): with a session server, each sample of
+a group is an agentic episode played with the official OpenAI client in a session bound to the adapter's slot,
+on the embedded CPU engine (two slots loaded); the session server runs in this event loop over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from miles_runner.config.compose import compose
+from miles_runner.engine.client import EngineClient
+from miles_runner.engine.contract import build_contract_adapter
+from miles_runner.engine.launch import start_engine
+from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.errors import PlanError
+from miles_runner.lora.naming import rid_prefix
+from miles_runner.multi_lora.cache import AdaptersCache, in_process
+from miles_runner.multi_lora.config import resolve_adapter_config
+from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
+from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.model import Plan
+from miles_runner.rollout.agentic import rollout_agentic
+from miles_runner.rollout.context import RolloutContext
+from miles_runner.rollout.multi_lora import MultiLoRARollout
+from miles_runner.rollout.plugins import get_agent, get_reward, make_task
+from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.session.app import create_app
+from miles_runner.session.config import AdapterSlot, SessionServerConfig
+from miles_runner.session.core import SessionCore
+from miles_runner.session.samples import SampleStatus
+from miles_runner.session.tito import TitoTokenizer
+
+from .helpers import LIMITS, defaults, eventually, run, serve, snapshot
+
+LONG = 1500  # new tokens: a turn that stays in flight until it is aborted
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return ensure_tiny_model("tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def engine_url(model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir),
+        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
+        "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
+    ]  # fmt: skip
+    engine = start_engine(argv, port=port, log_path=tmp_path_factory.mktemp("logs") / "engine.log", timeout_s=180)
+    yield f"http://{LOOPBACK}:{port}"
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def tito(model_dir) -> TitoTokenizer:
+    return TitoTokenizer.from_model_path(model_dir)
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    """The multi-LoRA recipe with a session server: greedy, so a turn's answer is the same on every run."""
+    return compile_plan(compose(["+recipe=tiny_multi_lora", "session=v1", "rollout.max_turns=2",
+                                 "rollout.temperature=0"]))  # fmt: skip
+
+
+@dataclass
+class SessionServer:
+    url: str
+    core: SessionCore
+    created: list[AdapterSlot | None] = field(default_factory=list)  # the binding of every session created
+    upstream: list[dict[str, Any]] = field(default_factory=list)  # every turn's body as sent to the engine
+    before_upstream: Callable[[], None] = lambda: None  # runs as each turn is sent
+
+
+@pytest.fixture
+async def session_server(engine_url, model_dir, tito) -> AsyncIterator[SessionServer]:
+    """A session server in front of the engine; it records (then does as usual) each session it creates and
+    each turn it sends upstream, since a session's own records go with it when it is deleted."""
+    app = create_app(SessionServerConfig(engine_url=engine_url, model_path=str(model_dir)), tito)
+    async with serve(app) as [url]:
+        server = SessionServer(url, app.state.core)
+        create, send = server.core.create, server.core.engine.chat_completions
+
+        def recorded_create(adapter: AdapterSlot | None = None):
+            server.created.append(adapter)
+            return create(adapter)
+
+        async def recorded_send(body: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+            server.upstream.append(dict(body))
+            server.before_upstream()
+            return await send(body, **kwargs)
+
+        server.core.create, server.core.engine.chat_completions = recorded_create, recorded_send
+        yield server
+
+
+@pytest.fixture
+async def engine(engine_url) -> AsyncIterator[EngineClient]:
+    async with EngineClient(engine_url, timeout_s=120) as client:
+        yield client
+
+
+def context(plan: Plan, engine: EngineClient, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
+    plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, **rollout))
+    return RolloutContext(
+        plan=plan, client=engine, tokenizer=tito, task=make_task("count", plan.seed), reward=get_reward("exact_match"),
+        agent=get_agent(plan.rollout.agent), session_url=session_url, lora_path=None,
+    )  # fmt: skip
+
+
+def cache_of(current: Callable[[], RegistrySnapshot]) -> AdaptersCache:
+    """A cache over `current()`, asked again on every lookup."""
+    return AdaptersCache(in_process(current), ttl_s=0.0)
+
+
+def retry_adapter(slot: int = 1, n: int = 2) -> AdapterRun:
+    return run("retry", slot, version=3, task="count_retry", n_samples_per_prompt=n)
+
+
+async def play_group(rollout: MultiLoRARollout, adapter: AdapterRun):
+    try:
+        return await rollout.generate_group(adapter, rollout.next_prompt(adapter, 0))
+    finally:
+        await rollout.aclose()
+
+
+# ---- episodes -------------------------------------------------------------------------------------------
+
+
+async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot_rid_and_version(
+    session_server, engine, plan, tito
+):
+    adapter = retry_adapter(slot=1)
+    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
+                               seed=0)  # fmt: skip
+    samples = await play_group(rollout, adapter)
+    assert session_server.created == [AdapterSlot("retry", "__miles_slot_1", 3)] * 2
+    assert [s.metadata["turns"] for s in samples] == [2, 2]  # a wrong first answer is told so, and tried again
+    assert len(session_server.upstream) == 4
+    for body in session_server.upstream:
+        assert body["lora_path"] == "__miles_slot_1" and body["extra_key"] == "retry:v3"
+        assert body["rid"].startswith("retry::")
+    assert len({body["rid"] for body in session_server.upstream}) == 4  # a fresh rid per turn
+    assert all(s.tokens and s.reward in (0.0, 1.0) for s in samples)
+    assert not session_server.core.sessions  # every session is deleted after its samples were collected
+
+
+async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, engine, plan, tito):
+    stamped = retry_adapter(slot=0, n=1)
+    pushed = dataclasses.replace(stamped, version=5)  # the weights were pushed again after the group was taken
+    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
+                               seed=0)  # fmt: skip
+    await play_group(rollout, stamped)
+    assert session_server.created == [AdapterSlot("retry", "__miles_slot_0", 5)]
+    assert {body["extra_key"] for body in session_server.upstream} == {"retry:v5"}
+
+
+async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_session(session_server, engine, plan, tito):
+    gone = retry_adapter()
+    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(snapshot), seed=0)
+    samples = await play_group(rollout, gone)
+    assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
+    assert session_server.created == [] and session_server.upstream == []
+    assert rollout.aborted["retry"] == 2 and rollout.posted["retry"] == 0
+
+
+async def test_a_name_registered_again_gets_no_session_for_the_old_registrations_group(
+    session_server, engine, plan, tito
+):
+    old = retry_adapter()
+    new = dataclasses.replace(old, registration_id="reg-again")
+    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(new)),
+                               seed=0)  # fmt: skip
+    samples = await play_group(rollout, old)
+    assert {s.status for s in samples} == {SampleStatus.ABORTED}
+    assert session_server.created == []
+
+
+async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_server, engine, plan, tito):
+    adapter = retry_adapter(n=1)
+    current = {"snapshot": snapshot(adapter)}
+    session_server.before_upstream = lambda: current.update(snapshot=RegistrySnapshot())  # retired as turn 1 goes
+    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito),
+                               cache_of(lambda: current["snapshot"]), seed=0)  # fmt: skip
+    [sample] = await play_group(rollout, adapter)
+    assert sample.status is SampleStatus.ABORTED
+    assert len(session_server.upstream) == 1  # no second turn under a slot it may no longer hold
+    assert not session_server.core.sessions
+
+
+async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(session_server, engine, plan, tito):
+    adapter = retry_adapter()
+    ctx = context(plan, engine, session_server.url, tito, max_response_len=LONG)
+    rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
+    group = asyncio.create_task(play_group(rollout, adapter))
+    await eventually(lambda: len(session_server.upstream) == 2, timeout_s=60)
+    while not group.done():  # as the controller does on retire; repeated, in case a turn was not yet scheduled
+        await engine.abort_request(rid_prefix("retry"), prefix=True)
+        await asyncio.wait({group}, timeout=0.2)
+    samples = group.result()
+    assert {s.status for s in samples} == {SampleStatus.ABORTED}
+    assert len(session_server.upstream) == 2  # the aborted turns were the last: no "Wrong." and second try
+    assert rollout.aborted["retry"] == 2
+    assert not session_server.core.sessions
+
+
+async def test_an_unreachable_session_server_costs_the_group_not_the_run(engine, plan, tito):
+    adapter = retry_adapter()
+    ctx = context(plan, engine, f"http://{LOOPBACK}:{free_port()}", tito)
+    rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
+    samples = await play_group(rollout, adapter)
+    assert {s.status for s in samples} == {SampleStatus.ABORTED}
+    assert rollout.aborted["retry"] == 2
+
+
+@pytest.mark.parametrize("through_sessions", [True, False], ids=["session", "native"])
+async def test_a_slot_the_engine_has_not_loaded_costs_the_group_not_the_run(
+    session_server, engine, plan, tito, through_sessions
+):
+    """An engine that restarted holds no adapter until the driver pushes them again: SGLang answers 400."""
+    adapter = retry_adapter(slot=3)  # the engine holds slots 0 and 1 only
+    ctx = context(plan, engine, session_server.url if through_sessions else None, tito)
+    rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
+    samples = await play_group(rollout, adapter)
+    assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
+    assert rollout.aborted["retry"] == 2 and rollout.posted["retry"] == 2
+
+
+async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(session_server, engine, plan, tito):
+    plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=2))
+    ctx = dataclasses.replace(context(plan, engine, session_server.url, tito), task=make_task("count_retry", 0))
+    samples = await rollout_agentic(ctx, [ctx.task.prompt(0)])
+    assert [s.metadata["turns"] for s in samples] == [2, 2]
+    assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them
+    assert not any("rid" in body for body in session_server.upstream)
+
+
+# ---- the per-adapter agent ------------------------------------------------------------------------------
+
+
+def test_an_adapters_agent_must_be_a_registered_name():
+    limits = dataclasses.replace(LIMITS, agents=("feedback_loop", "guess_number"))
+    with pytest.raises(ValueError, match=r"adapter 'a' cannot run: unknown agent 'my\.agents:play' \(registered"):
+        resolve_adapter_config("a", {"agent": "my.agents:play"}, defaults(), limits)
+
+
+def test_an_adapters_registered_agent_is_kept_and_none_means_the_runs_agent():
+    limits = dataclasses.replace(LIMITS, agents=("feedback_loop", "guess_number"))
+    assert resolve_adapter_config("a", {"agent": "guess_number"}, defaults(), limits).agent == "guess_number"
+    assert resolve_adapter_config("b", {}, defaults(), limits).agent is None
+
+
+def test_an_unregistered_adapter_agent_in_the_config_is_a_plan_error_naming_the_field():
+    with pytest.raises(PlanError) as error:
+        compile_plan(compose(["+recipe=tiny_multi_lora", "session=v1", "++adapters.runs.1.agent=nope"]))
+    assert "adapters.runs[1].agent=nope" in str(error.value)
+    assert "No agent is registered as 'nope'" in str(error.value)
+
+
+def test_the_plan_carries_each_adapters_own_agent():
+    plan = compile_plan(compose(["+recipe=tiny_multi_lora", "session=v1", "++adapters.runs.1.agent=guess_number"]))
+    assert [a.agent for a in plan.adapters] == [None, "guess_number", None]
