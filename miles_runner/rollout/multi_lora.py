@@ -55,7 +55,7 @@ class MultiLoRARollout:
         self.tokens_generated = 0  # response tokens of every answer, all adapters
         self.unreachable_grace_s = unreachable_grace_s
         self._failing_since: float | None = None  # when requests started failing (the engine unreachable)
-        self._tasks: dict[tuple[str, int], Task] = {}
+        self._tasks: dict[tuple[str, str], Task] = {}
         self._sessions: SessionClients | None = None  # with a session server: opened at the first episode
 
     def next_prompt(self, run: AdapterRun, index: int) -> Prompt:
@@ -147,10 +147,15 @@ class MultiLoRARollout:
         """The adapter's own agent plug-in, else the plan's (None without a session server)."""
         return get_agent(run.config.agent) if run.config.agent and self.ctx.session_url else self.ctx.agent
 
+    def dataset_rows(self, run: AdapterRun) -> int | None:
+        """The number of prompts in the adapter's data file (one epoch), or None for a generated task."""
+        task = self._task(run)
+        return len(task.rows()) if task.needs_data else None
+
     def _task(self, run: AdapterRun) -> Task:
-        key = (run.config.task, self.seed)
+        key = (run.config.task, run.config.data)  # adapters on one task may read different data files
         if key not in self._tasks:
-            self._tasks[key] = make_task(*key)
+            self._tasks[key] = make_task(run.config.task, self.seed, run.config.data)
         return self._tasks[key]
 
 

@@ -258,8 +258,8 @@ class MultiLoRADriver:
 
         saved = load_latest(Path(run.config.save))
         self.trainer.load_adapter(run.slot, adapter_plan(run), saved[0] if saved else None)
-        if run.config.num_step is None:  # a task is an endless stream: one epoch is the plan's step count
-            rows = self.plan.batch.num_steps * run.config.rollout_batch_size
+        if run.config.num_step is None:  # an epoch of its data file; a generated task: the plan's step count
+            rows = self.rollout.dataset_rows(run) or self.plan.batch.num_steps * run.config.rollout_batch_size
             await self.controller.resolve_num_step(run.name, rows)
         if saved:
             meta = saved[1]
