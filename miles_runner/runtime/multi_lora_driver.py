@@ -1,6 +1,7 @@
 """The multi-LoRA training loop (spec §4.7, train_multi_lora_async.py): many adapters, one base model, shared engines.
 
-    controller service (from plan.multi_lora.launch) -> producer (groups for every live adapter, always running)
+    controller service (plan.multi_lora.launch; under a Ray actor with executor=ray)
+    -> producer (groups for every live adapter, always running)
     loop: reconcile (retire -> clean up -> load) -> push adapters that stepped or are new -> collect a batch
           -> record its adapters -> train -> mark it trained (only after a successful train) -> log, checkpoint
 
@@ -52,21 +53,6 @@ def adapter_plan(run: AdapterRun) -> AdapterPlan:
     )  # fmt: skip
 
 
-def controller_process(plan: Plan, run_dir: Path):
-    """The controller service, started from the plan's launch line in the run folder (it reads plan.yaml)."""
-    from miles_runner.runtime.local import PortBusyError, port_is_free, resolve_argv
-    from miles_runner.runtime.process import ManagedProcess
-
-    launch = plan.multi_lora.launch
-    if not port_is_free(launch.host, launch.port):
-        raise PortBusyError(f"the multi-LoRA controller's port {launch.host}:{launch.port} is in use")
-    return ManagedProcess(
-        "multi_lora_controller", resolve_argv(launch.argv), env=launch.env, cwd=run_dir,
-        log_path=run_dir / "logs" / "multi_lora_controller.log", health_url=launch.url + launch.health_path,
-        startup_timeout_s=plan.executor.health_timeout_s,
-    )  # fmt: skip
-
-
 class EventLog:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -88,10 +74,11 @@ class MultiLoRADriver:
         self._rate_mark: tuple[float | None, int] = (None, 0)  # (time, tokens generated) at the last record
 
     def run(self) -> list[dict[str, Any]]:
+        from miles_runner.multi_lora.service import controller_service
         from miles_runner.runtime.ray_executor import make_executor
 
         self.executor = make_executor(self.plan, self.run_dir)
-        with self.executor as deployment, controller_process(self.plan, self.run_dir):
+        with self.executor as deployment, controller_service(self.plan, self.run_dir):
             return asyncio.run(self._main(deployment))
 
     async def _main(self, deployment) -> list[dict[str, Any]]:
@@ -292,9 +279,11 @@ class MultiLoRADriver:
 
     async def _restart_dead_engines(self) -> None:
         """Engines that died come back (the executor's `engine_restarts` allowing) before the next push."""
+        started = time.perf_counter()
         restarted = await asyncio.to_thread(self.executor.restart_dead_engines)
         if restarted:
-            self.events.write(self.iteration, "engines_restarted", engines=restarted)
+            seconds = round(time.perf_counter() - started, 3)
+            self.events.write(self.iteration, "engines_restarted", engines=restarted, seconds=seconds)
 
     async def _update_weights(self) -> float:
         """Push the adapters that stepped or are new; every loaded one when the engines are new (at the start,
