@@ -479,18 +479,6 @@ def multi_lora_per_adapter_loss(cfg: MilesConfig, d: Derived) -> Iterator[Findin
         )
 
 
-@rule("multi-lora-fsdp-is-one-process")
-@_multi
-def multi_lora_fsdp_is_one_process(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.backend == "fsdp" and d.trainer_world_size > 1:
-        yield Finding(
-            (ADAPTERS, BACKEND, "topology.actor_num_gpus_per_node"),
-            "The FSDP multi-adapter trainer keeps every slot's adapter and optimizer in one process; "
-            f"{d.trainer_world_size} trainer ranks would each train alone.",
-            "topology.actor_num_gpus_per_node=1 topology.actor_num_nodes=1",
-        )
-
-
 @rule("multi-lora-needs-adapters")
 @_multi
 def multi_lora_needs_adapters(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:

@@ -51,15 +51,22 @@ class Driver:
             return asyncio.run(self._loop(deployment))
 
     async def _loop(self, deployment) -> list[dict[str, Any]]:
+        from miles_runner.trainer.ranks import make_trainer
+
+        trainer = make_trainer(self.plan, self.run_dir)
+        try:
+            return await self._run_with(trainer, deployment)
+        finally:
+            trainer.close()  # the other trainer ranks leave
+
+    async def _run_with(self, trainer, deployment) -> list[dict[str, Any]]:
         from miles_runner.engine.client import EngineClient
         from miles_runner.lora.sync import make_sync
         from miles_runner.rollout.context import RolloutContext
         from miles_runner.rollout.tasks import PromptStream
         from miles_runner.runtime.checkpoint import load_latest
-        from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 
         plan = self.plan
-        trainer = FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
         engines = [EngineClient(url) for url in deployment.engine_urls]
         rollout_client = EngineClient(deployment.rollout_url)
         ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)

@@ -82,6 +82,15 @@ class MultiLoRADriver:
             return asyncio.run(self._main(deployment))
 
     async def _main(self, deployment) -> list[dict[str, Any]]:
+        from miles_runner.trainer.ranks import make_trainer
+
+        self.trainer = make_trainer(self.plan, self.run_dir)
+        try:
+            return await self._serve(deployment)
+        finally:
+            self.trainer.close()  # the other trainer ranks leave
+
+    async def _serve(self, deployment) -> list[dict[str, Any]]:
         from miles_runner.engine.client import EngineClient
         from miles_runner.lora.sync import make_sync
         from miles_runner.multi_lora.buffers import AdapterBuffers
@@ -91,10 +100,8 @@ class MultiLoRADriver:
         from miles_runner.multi_lora.settings import TOKEN_ENV
         from miles_runner.rollout.context import RolloutContext
         from miles_runner.rollout.multi_lora import MultiLoRARollout
-        from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
 
         plan, m = self.plan, self.plan.multi_lora
-        self.trainer = MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
         self.engines = [EngineClient(url) for url in deployment.engine_urls]
         rollout_client = EngineClient(deployment.rollout_url)
         self.controller = ControllerClient(m.launch.url, api_token=os.environ.get(TOKEN_ENV) or None)

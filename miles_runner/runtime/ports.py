@@ -10,3 +10,21 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(count: int, host: str = LOOPBACK, attempts: int = 50) -> int:
+    """A base port B with B .. B+count-1 all free right now (engines take consecutive ports from a base)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        if base + count <= 65536 and all(_bindable(host, base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -33,6 +33,7 @@ from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_sampl
 from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
+from miles_runner.trainer.ranks import rank_and_world
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,13 @@ class TrainerSettings:
                                 per_token_loss=self.per_token_loss)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class FSDPTrainer:
     def __init__(self, model_path: str | Path, settings: TrainerSettings) -> None:
         from transformers import AutoTokenizer
 
         self.settings = settings
         self.model_path = str(model_path)
-        self.rank, self.world_size = _world()
+        self.rank, self.world_size = rank_and_world()
         self.model = lora_model.load_lora_model(self.model_path, settings.adapter, seed=settings.seed)
         if self.world_size > 1:
             self._shard()

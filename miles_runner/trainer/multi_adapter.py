@@ -6,8 +6,11 @@ carry `metadata["slot"]`); gradients are kept across train calls, and only the s
 their gradients are scaled by 1/adapter_global_batch_size, clipped, applied, and cleared. A slot that is
 cleared and loaded again (a new tenant) starts with a fresh adapter and a fresh optimizer.
 
-Single process: the adapters are small, and the base model is shared by all of them. The base model carries
-one idle adapter that is never trained or exported (peft needs one to exist while slots come and go).
+Data parallel across trainer ranks (trainer/ranks.py replays every call on each rank): each rank holds the
+whole base model and every slot's adapter (they are small), backwards its strided share of each slot's
+samples, and a slot's step first sums its gradients over the ranks, so every rank applies the same update.
+The base model carries one idle adapter that is never trained or exported (peft needs one to exist while
+slots come and go).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from miles_runner.trainer.logprobs import TrainingSample, pack_samples, token_lo
 from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
+from miles_runner.trainer.ranks import rank_and_world
 
 IDLE_ADAPTER = "__idle"
 
@@ -135,17 +139,21 @@ class MultiAdapterTrainer:
         advantages = group_advantages(
             rewards, entry.adapter.n_samples_per_prompt, s.algorithm.normalize_advantages_by_std
         )
-        full = pack_samples(samples, self.pad_id)
-        old = full.rollout_log_probs if s.algorithm.use_rollout_logprobs else None  # else on-policy
-        ref = self._reference_log_probs(full) if s.algorithm.kl_coef > 0 else None
+        rank, world = rank_and_world()
+        local = list(range(rank, len(samples), world))  # whole groups set the advantages; ranks share the rows
         means = MetricMeans()
-        # Normalizer 1: each sample adds its own loss; the step divides by the adapter's global batch size.
-        accumulate_policy_gradients(
-            self.model, full, list(range(len(samples))), advantages, old, ref, self.loss_config, means,
-            temperature=s.temperature, micro_batch_size=s.micro_batch_size, normalizer=1.0,
-        )  # fmt: skip
+        if local:
+            full = pack_samples([samples[i] for i in local], self.pad_id)
+            old = full.rollout_log_probs if s.algorithm.use_rollout_logprobs else None  # else on-policy
+            ref = self._reference_log_probs(full) if s.algorithm.kl_coef > 0 else None
+            # Normalizer 1: each sample adds its own loss; the step divides by the adapter's global batch size.
+            accumulate_policy_gradients(
+                self.model, full, list(range(len(local))), advantages[local], old, ref, self.loss_config, means,
+                temperature=s.temperature, micro_batch_size=s.micro_batch_size, normalizer=1.0,
+            )  # fmt: skip
         entry.pending_samples += len(samples)
-        return {**means.result(), "reward_mean": float(rewards.mean()), "samples": float(len(samples))}
+        # "samples": this rank's, the ones its loss sum covers; the reward is over the whole batch.
+        return {**means.result(), "reward_mean": float(rewards.mean()), "samples": float(len(local))}
 
     @torch.no_grad()
     def _reference_log_probs(self, full) -> torch.Tensor:
@@ -156,6 +164,7 @@ class MultiAdapterTrainer:
     def _step(self, slot: int) -> dict[str, float]:
         entry = self.slots[slot]
         scale = 1.0 / (entry.adapter.rollout_batch_size * entry.adapter.n_samples_per_prompt)
+        _sum_over_ranks(entry.params)
         for p in entry.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -205,3 +214,15 @@ class MultiAdapterTrainer:
                 param.copy_(tensor)
         entry.optimizer.load_state_dict(state["optimizer"])
         entry.step = int(state["step"])
+
+
+def _sum_over_ranks(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients of every rank's share (a rank that had no sample of the slot adds zeros)."""
+    if rank_and_world()[1] == 1:
+        return
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)

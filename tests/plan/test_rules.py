@@ -230,11 +230,6 @@ CASES = [
         ("adapters.runs.1.n_samples_per_prompt=2", "adapters.runs.1.rollout_batch_size=8"),
         "group-multiple",
     ),
-    RuleCase(
-        "multi-lora-fsdp-is-one-process", TINY_MULTI,
-        ("cluster.cpu_slots_per_node=4", "topology.actor_num_gpus_per_node=2", "topology.rollout_num_gpus=2"),
-        ("cluster.cpu_slots_per_node=4", "topology.actor_num_gpus_per_node=1", "topology.rollout_num_gpus=2"),
-    ),
     # ---- plug-ins ----
     RuleCase("plugins-registered", TINY, ("rollout.task=terminal_bench",), ("rollout.task=count",)),
     RuleCase("plugins-registered", TINY, ("rollout.agent=tool_agent",), ("rollout.agent=feedback_loop",), "agent"),

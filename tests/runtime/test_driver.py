@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.ports import free_port, free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def run_args(output_root: Path, steps: int, *extra: str) -> list[str]:
     return [
         "+recipe=tiny_lora_agentic", "session=off", "rollout.task=arith", "rollout.reward=exact_match",
         "rollout.max_turns=1", f"algorithm.num_steps={steps}", "checkpoint.interval=1", "logger=wandb_offline",
-        f"engine.base_port={free_port()}", f"run.output_root={output_root}", *extra,
+        f"engine.base_port={free_port_block(2)}", f"run.output_root={output_root}", *extra,
     ]
 
 
@@ -137,3 +137,17 @@ def test_staleness_beyond_the_bound_is_rejected():
     check_staleness([sample], 4, 1)
     with pytest.raises(StaleSamplesError, match="2 versions old"):
         check_staleness([sample], 5, 1)
+
+
+def test_a_run_on_two_trainer_ranks_trains_and_saves_its_adapter(tmp_path):
+    """FSDP2 across the driver (rank 0) and a follower process (rank 1), with two engines colocated."""
+    proc = miles_run(*run_args(tmp_path / "outputs", 2, "topology.actor_num_gpus_per_node=2",
+                               "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4"), cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    [plan] = (tmp_path / "outputs").rglob("plan.yaml")
+    run_dir = plan.parent
+    assert [r["step"] for r in records(run_dir)] == [0, 1]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert "miles_runner.trainer.ranks" in (run_dir / "logs" / "trainer1.log").read_text()

@@ -15,7 +15,7 @@ import pytest
 from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_plan
 from miles_runner.runtime.local import LocalExecutor, PortBusyError
-from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.ports import free_port, free_port_block
 from miles_runner.runtime.process import ProcessStartError
 
 
@@ -35,7 +35,8 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def tiny_plan(*extra: str):
-    ports = [f"engine.base_port={free_port()}", f"router.port={free_port()}", f"router.metrics_port={free_port()}"]
+    ports = [f"engine.base_port={free_port_block(2)}", f"router.port={free_port()}",
+             f"router.metrics_port={free_port()}"]
     return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", *ports, *extra]))
 
 

@@ -1,0 +1,175 @@
+"""Several trainer ranks on one node (plan.trainer.parallel.world_size > 1): the driver's own process is rank 0,
+and world_size - 1 follower processes replay every call rank 0 makes on the trainer (SPMD), so the collectives
+inside the trainer (FSDP2 all-gathers, gradient all-reduces, full state-dict gathers) line up on every rank.
+
+    driver, rank 0                          follower k: python -m miles_runner.trainer.ranks RUN_DIR --rank k ...
+    trainer = make_trainer(plan, run_dir)   builds the same trainer from RUN_DIR/plan.yaml
+    trainer.train(samples)   ----------->   ("train", samples) -> trainer.train(samples), collectives inside
+    trainer.close()          ----------->   ("exit") -> leaves the group and exits
+
+Commands travel as pickled objects over gloo (a group of their own when the trainer's group is NCCL). Every rank
+gets the same arguments, so an error raised by a call is raised on every rank: followers log it and wait for
+the next command, as rank 0's caller decides. A follower that dies makes rank 0's next collective fail within
+`TIMEOUT_S` rather than hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from miles_runner.plan.model import Plan
+from miles_runner.runtime.ports import LOOPBACK
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 600.0
+EXIT = "exit"
+# Calls that change trainer state or hold collectives: every rank must make them, in the same order.
+REPLAYED = frozenset({
+    "train", "compute_log_probs", "adapter_state", "save_adapter", "state_dict", "load_state_dict",
+    "load_adapter", "clear_adapter",
+})  # fmt: skip
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's trainer rank and the number of ranks (0, 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_trainer(plan: Plan) -> Any:
+    """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, else the FSDP trainer."""
+    if plan.capabilities.multi_lora:
+        from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
+
+        return MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
+    from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+
+    return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
+
+
+def make_trainer(plan: Plan, run_dir: Path) -> RankedTrainer:
+    """The driver's trainer: rank 0 of `world_size` ranks (followers started here), or alone for one rank.
+    Call `close()` when done."""
+    if plan.trainer.parallel.world_size <= 1:
+        return RankedTrainer(build_trainer(plan), [], None)
+    return RankedTrainer.start(plan, Path(run_dir))
+
+
+def join_group(plan: Plan, rank: int, master_port: int) -> Any:
+    """Join the trainer's default process group; returns the group commands travel on (gloo)."""
+    backend = "gloo" if plan.cluster.cpu_only else "nccl"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{LOOPBACK}:{master_port}", rank=rank,
+        world_size=plan.trainer.parallel.world_size, timeout=timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def _receive(commands: Any) -> tuple[str, tuple, dict]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=commands)
+    return box[0]
+
+
+class RankedTrainer:
+    """Rank 0's view: a replayed method runs on every rank; anything else is rank 0's own trainer (with no
+    followers, it is just the trainer)."""
+
+    def __init__(self, local: Any, followers: list[Any], commands: Any) -> None:
+        self._local, self._followers, self._commands = local, followers, commands
+
+    @classmethod
+    def start(cls, plan: Plan, run_dir: Path) -> RankedTrainer:
+        from miles_runner.runtime.ports import free_port
+        from miles_runner.runtime.process import ManagedProcess
+
+        port, world = free_port(), plan.trainer.parallel.world_size
+        followers = [
+            ManagedProcess(
+                f"trainer{rank}",
+                [sys.executable, "-m", "miles_runner.trainer.ranks", str(run_dir), "--rank", str(rank),
+                 "--master-port", str(port)],
+                env={"LOCAL_RANK": str(rank)}, log_path=run_dir / "logs" / f"trainer{rank}.log",
+            ).start()
+            for rank in range(1, world)
+        ]  # fmt: skip
+        try:
+            commands = join_group(plan, 0, port)
+            return cls(build_trainer(plan), followers, commands)
+        except BaseException:
+            for follower in followers:
+                follower.stop()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._local, name)
+        if name not in REPLAYED:
+            return attr
+
+        def replayed(*args: Any, **kwargs: Any) -> Any:
+            if self._followers:
+                self._check_followers()
+                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._commands)
+            return attr(*args, **kwargs)
+
+        return replayed
+
+    def _check_followers(self) -> None:
+        dead = [f"{f.name} (exit code {f.returncode}; {f.log_path})" for f in self._followers if not f.alive]
+        if dead:
+            raise RuntimeError(f"trainer ranks exited: {', '.join(dead)}")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Tell the followers to leave, wait for them, and leave the group (idempotent)."""
+        if not self._followers:
+            return
+        if all(f.alive for f in self._followers):
+            dist.broadcast_object_list([(EXIT, (), {})], src=0, group=self._commands)
+        deadline = time.monotonic() + timeout_s
+        while any(f.alive for f in self._followers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for follower in self._followers:
+            follower.stop()
+        self._followers = []
+        dist.destroy_process_group()
+
+
+def follow(run_dir: Path, rank: int, master_port: int) -> None:
+    """A follower rank: build the plan's trainer, then replay rank 0's calls until told to exit."""
+    from miles_runner.plan.record import read_plan
+
+    plan = read_plan(run_dir / "plan.yaml")
+    commands = join_group(plan, rank, master_port)
+    trainer = build_trainer(plan)
+    while (command := _receive(commands))[0] != EXIT:
+        name, args, kwargs = command
+        try:
+            getattr(trainer, name)(*args, **kwargs)
+        except Exception:  # rank 0 raised the same (same arguments): its caller decides what happens next
+            log.exception("rank %d: %s failed", rank, name)
+    dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m miles_runner.trainer.ranks", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    follow(args.run_dir, args.rank, args.master_port)
+
+
+if __name__ == "__main__":
+    main()
