@@ -11,9 +11,6 @@ from miles_runner.plan.derive import Derived
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.engine.embedded"}
-TRAINER_MODULES = {"fsdp": "miles_runner.trainer.fsdp", "megatron": "miles_runner.trainer.megatron"}
-
-
 def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: int) -> list[str]:
     e = cfg.engine
     argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
@@ -70,10 +67,9 @@ def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: 
 
 
 def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
-    """One launcher line per node; the plan file it reads is the one saved in the run folder."""
-    return ["torchrun", "--nnodes", str(d.trainer_nodes),
-            "--nproc-per-node", str(d.trainer_gpus_per_node),
-            "-m", TRAINER_MODULES[cfg.trainer.backend], "--plan", "plan.yaml"]
+    """The driver, run in the run folder: trainer rank 0 itself; it starts ranks 1..N-1 as
+    `python -m miles_runner.trainer.ranks RUN_DIR --rank K --master-port P` (one node)."""
+    return [PYTHON, "-m", "miles_runner.runtime.driver", "."]
 
 
 def controller_argv(host: str, port: int) -> list[str]:

@@ -103,7 +103,7 @@ def command_lines(plan: Plan) -> list[str]:
         named.append(("session", plan.session.launch))
     if plan.multi_lora:
         named.append(("controller", plan.multi_lora.launch))
-    named.append(("trainer", plan.trainer.launch))
+    named.append(("driver", plan.trainer.launch))  # trainer rank 0; it starts the other ranks
     width = max(len(n) for n, _ in named)
     return [f"   {name:<{width}}  {render_command(launch)}" for name, launch in named]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,21 @@ class Tracker:
             plot_metrics(self.records, self.run_dir / "metrics.png")
         print(summary_table(self.records))
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a recorded plan (RUN_DIR/plan.yaml), single- or multi-LoRA: what `miles-run` does after planning."""
+    import argparse
+    import logging
+
+    from miles_runner.plan.record import read_plan
+
+    parser = argparse.ArgumentParser(prog="python -m miles_runner.runtime.driver", description=main.__doc__)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--resume", action="store_true", help="go on from the run folder's latest checkpoints")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    Driver(read_plan(args.run_dir / "plan.yaml"), args.run_dir, resume=args.resume).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -16,19 +16,17 @@ multi_lora_events.jsonl (what was retired, loaded, cleaned up, pushed and traine
 stamps) for audits. Each adapter checkpoints into its own save folder (`<save>/checkpoints/step_N`: adapter,
 optimizer, step, data cursor) and resumes from it when it is loaded again.
 
-Run it on a recorded plan: `python -m miles_runner.runtime.multi_lora_driver RUN_DIR [--resume]`.
+Run it on a recorded plan: `python -m miles_runner.runtime.driver RUN_DIR [--resume]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -370,21 +368,3 @@ def _mean_by_adapter(samples, key: str) -> dict[str, float]:
         if key in sample.metadata:
             values.setdefault(sample.metadata["adapter"], []).append(float(sample.metadata[key]))
     return {name: sum(v) / len(v) for name, v in values.items()}
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    from miles_runner.plan.record import read_plan
-
-    parser = argparse.ArgumentParser(
-        prog="python -m miles_runner.runtime.multi_lora_driver",
-        description="Run a recorded multi-LoRA plan (RUN_DIR/plan.yaml).",
-    )
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    MultiLoRADriver(read_plan(args.run_dir / "plan.yaml"), args.run_dir, resume=args.resume).run()
-
-
-if __name__ == "__main__":
-    main()

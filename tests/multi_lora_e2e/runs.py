@@ -36,7 +36,7 @@ def plan_run(output_root: Path, *overrides: str) -> Path:
 def start_driver(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN}
     return subprocess.Popen(
-        [sys.executable, "-m", "miles_runner.runtime.multi_lora_driver", str(run_dir), *extra],
+        [sys.executable, "-m", "miles_runner.runtime.driver", str(run_dir), *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
