@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_runner.engine.client import EngineError, EngineUnavailable
 from miles_runner.lora.naming import slot_lora_name
 from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
 from miles_runner.plan.model import AdapterPlan, Plan
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 EVENTS_FILE = "multi_lora_events.jsonl"
 CACHE_TTL_S = 0.2  # the producer learns of new and retired adapters within this
+ENGINE_DEATH_WAIT_S = 10.0  # after a failed push: how long an engine may take to be seen dead
 
 
 def adapter_plan(run: AdapterRun) -> AdapterPlan:
@@ -156,8 +158,13 @@ class MultiLoRADriver:
                 await asyncio.sleep(m.idle_poll_s)
                 continue
             await self._reconcile()
-            await self._restart_dead_engines()
-            sync_s = await self._update_weights()
+            try:
+                await self._restart_dead_engines()
+                sync_s = await self._update_weights()
+            except (EngineUnavailable, EngineError, RuntimeError) as error:
+                if not await self._restarted_after(error):
+                    raise
+                continue  # the next pass pushes every adapter to the new engine
             snapshot = await self.controller.snapshot()
             if not snapshot.sampleable:
                 await asyncio.sleep(CACHE_TTL_S)
@@ -282,13 +289,25 @@ class MultiLoRADriver:
         self.to_push.discard(name)
         self.events.write(self.iteration, "cleaned_up", name=name, slot=run.slot)
 
-    async def _restart_dead_engines(self) -> None:
+    async def _restart_dead_engines(self) -> list[int]:
         """Engines that died come back (the executor's `engine_restarts` allowing) before the next push."""
         started = time.perf_counter()
         restarted = await asyncio.to_thread(self.executor.restart_dead_engines)
         if restarted:
             seconds = round(time.perf_counter() - started, 3)
             self.events.write(self.iteration, "engines_restarted", engines=restarted, seconds=seconds)
+        return restarted
+
+    async def _restarted_after(self, error: Exception) -> bool:
+        """Whether `error` (a push or version check that failed) came from an engine that died: one is restarted
+        within ENGINE_DEATH_WAIT_S (a killed engine is not reaped at once). Anything else is not ours to mend."""
+        deadline = time.monotonic() + ENGINE_DEATH_WAIT_S
+        while time.monotonic() < deadline:
+            if await self._restart_dead_engines():
+                log.warning("an engine died during the weight push (%r); it was restarted", error)
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     async def _update_weights(self) -> float:
         """Push the adapters that stepped or are new; every loaded one when the engines are new (at the start,

@@ -129,3 +129,21 @@ async def test_health_answers_while_a_batch_is_generating(client):
     finally:
         await client.post("/abort_request", json={"rid": "busy-health"})
         await task
+
+
+async def test_a_prefix_abort_reaches_requests_held_at_the_pause_gate(client):
+    """A retired adapter's request that arrived while the engine was paused for a weight push must not run
+    once generation continues (the controller aborts the adapter's `name::` prefix during the push)."""
+    await client.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        held = asyncio.create_task(post_generate(client, rid="victim::held", sampling_params=LONG))
+        short = {**LONG, "max_new_tokens": 4}
+        other = asyncio.create_task(post_generate(client, rid="other::held", sampling_params=short))
+        await asyncio.sleep(0.5)
+        await client.post("/abort_request", json={"rid": "victim::", "prefix": True})
+    finally:
+        await client.post("/continue_generation", json={})
+    answer = await held
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert answer["meta_info"]["completion_tokens"] == 0
+    assert (await other)["meta_info"]["finish_reason"]["type"] == "length"  # other adapters' requests run

@@ -13,6 +13,7 @@ import pytest
 
 from miles_runner.lora.naming import slot_lora_name
 from miles_runner.plan.record import read_plan
+from miles_runner.runtime.multi_lora_driver import MultiLoRADriver
 from miles_runner.runtime.ports import free_port
 
 from .runs import events, metrics, plan_run, start_driver, wait_for
@@ -90,3 +91,28 @@ def test_training_carries_on_after_the_restart_to_each_num_step(run_dir):
     for name in NAMES:
         assert max(trained_iterations(run_dir, name)) >= restarted_at
         assert max(r[f"{name}/step"] for r in metrics(run_dir) if f"{name}/step" in r) == STEPS
+
+
+class KillEngineAsThirdPushStarts(MultiLoRADriver):
+    """Fault injection: SIGKILL the engine just as a weight push starts (after the check for dead engines),
+    so the push itself meets the dead engine."""
+
+    killed = False
+
+    async def _update_weights(self) -> float:
+        if not self.killed and self.iteration >= 2:
+            self.killed = True
+            os.killpg(self.executor.engines[0].pid, signal.SIGKILL)
+        return await super()._update_weights()
+
+
+def test_an_engine_that_dies_during_a_push_is_restarted_and_given_every_adapter(tmp_path):
+    run_dir = plan_run(tmp_path / "outputs", RUNS, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                       "algorithm.num_steps=3", "executor.engine_restarts=1", "logger=none")  # fmt: skip
+    driver = KillEngineAsThirdPushStarts(read_plan(run_dir / "plan.yaml"), run_dir)
+    driver.run()
+    assert driver.killed
+    [restart] = events(run_dir, "engines_restarted")
+    pushed_all = [e for e in events(run_dir, "pushed_all") if e["iteration"] >= restart["iteration"]]
+    assert pushed_all and pushed_all[0]["names"] == sorted(NAMES)
+    assert all(max(r[f"{n}/step"] for r in metrics(run_dir) if f"{n}/step" in r) == 3 for n in NAMES)

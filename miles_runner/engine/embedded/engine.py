@@ -68,6 +68,8 @@ class EmbeddedEngine:
             weight_version=args.weight_version,
         )
         self._inflight: Counter[str] = Counter()  # item rids and request (parent) rids
+        self._gated: set[str] = set()  # item rids waiting at the pause gate (not yet with the scheduler)
+        self._aborted_at_gate: set[str] = set()  # of those, the ones an abort matched
         self._seed_counter = 0
         self._unpaused: asyncio.Event | None = None
         self._lora_lock: asyncio.Lock | None = None
@@ -220,11 +222,14 @@ class EmbeddedEngine:
         self._claim(rids)
         unfinished = {r.rid for r in requests}
         try:
-            await self._unpaused.wait()
+            await self._pass_gate(unfinished)
             results: asyncio.Queue[tuple[int, GenerationResult]] = asyncio.Queue()
             for index, request in enumerate(requests):
                 sink = _indexed_sink(results, index)
                 self.scheduler.submit(ReqState(request, sink, generator_seed=request.sampling.seed))
+            if aborted := unfinished & self._aborted_at_gate:  # as SGLang: aborted in the waiting queue
+                self._aborted_at_gate -= aborted
+                await self.scheduler.call(lambda: self.scheduler.abort_matching(aborted.__contains__))
             while unfinished:
                 index, result = await results.get()
                 if result.finish_reason is not None:
@@ -235,6 +240,15 @@ class EmbeddedEngine:
                 self.scheduler.call(lambda: self.scheduler.abort_matching(unfinished.__contains__))
             self._inflight.subtract(rids)
             self._inflight += Counter()  # drop zero counts
+            self._aborted_at_gate.difference_update(rids)
+
+    async def _pass_gate(self, rids: set[str]) -> None:
+        """Wait while the engine is paused; an abort meanwhile is remembered for these requests."""
+        self._gated |= rids
+        try:
+            await self._unpaused.wait()
+        finally:
+            self._gated -= rids
 
     def _claim(self, rids: list[str]) -> None:
         duplicates = [rid for rid in rids if self._inflight[rid]]
@@ -251,6 +265,7 @@ class EmbeddedEngine:
             match = lambda candidate: candidate.startswith(rid)  # noqa: E731
         else:
             return
+        self._aborted_at_gate |= {gated for gated in self._gated if match(gated)}
         await self.scheduler.call(lambda: self.scheduler.abort_matching(match))
 
     # ----- pause, weights, cache ---------------------------------------------------------------------------
