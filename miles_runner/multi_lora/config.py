@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.lora.naming import adapter_name_problem
-from miles_runner.plan.derive import min_groups_per_dp_split
+from miles_runner.plan.derive import min_groups_per_dp_split, resolve_data_path
 from miles_runner.plan.model import AdapterPlan
 
 
@@ -123,6 +123,7 @@ def resolve_adapter_config(
         "agent": None,
         **given,
     }
+    values["data"] = resolve_data_path(values.get("data") or "")  # bundled:NAME, or relative to the controller
     problems = list(config_problems(values, limits))
     if problems:
         raise ValueError(f"adapter '{name}' cannot run: " + "; ".join(problems))

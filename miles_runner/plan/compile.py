@@ -5,6 +5,7 @@ Imports nothing heavy (no torch, ray, transformers or sglang): compiling and pri
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -13,7 +14,7 @@ from miles_runner.config.provenance import format_value
 from miles_runner.config.schema import MilesConfig
 from miles_runner.errors import PlanError, Problem
 from miles_runner.plan import render
-from miles_runner.plan.derive import Derived, adapter_value, derive, resolved_targets
+from miles_runner.plan.derive import Derived, adapter_value, derive, resolve_data_path, resolved_targets
 from miles_runner.plan.model import (
     AdapterPlan,
     BatchPlan,
@@ -126,7 +127,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
             normalize_advantages_by_std=d.normalize_std,
             use_dynamic_global_batch_size=d.multi_lora,
         ),
-        rollout=cfg.rollout,
+        rollout=dataclasses.replace(cfg.rollout, data=resolve_data_path(cfg.rollout.data)),
         algorithm=cfg.algorithm,
         optimizer=cfg.optimizer,
         checkpoint=cfg.checkpoint,
@@ -251,7 +252,7 @@ def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
             n_samples_per_prompt=adapter_value(run, "n_samples_per_prompt", cfg),
             num_step=run.num_step,
             num_epoch=run.num_epoch,
-            data=run.data,
+            data=resolve_data_path(run.data),
             agent=run.agent,
         )
         for slot, run in enumerate(a.runs)

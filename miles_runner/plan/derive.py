@@ -151,6 +151,18 @@ def max_lora_rank(cfg: MilesConfig) -> int:
     return max(max(ranks), 1)
 
 
+BUNDLED_SCHEME = "bundled:"
+BUNDLED_DATA = Path(__file__).resolve().parents[1] / "rollout" / "data"  # prompt sets shipped with the package
+
+
+def resolve_data_path(path: str) -> str:
+    """A prompt file for the plan: `bundled:NAME` -> the file shipped in miles_runner/rollout/data; a relative
+    path -> absolute (servers run in the run folder); absolute paths and "" as they are."""
+    if path.startswith(BUNDLED_SCHEME):
+        return str(BUNDLED_DATA / path.removeprefix(BUNDLED_SCHEME))
+    return str(Path(path).absolute()) if path else ""
+
+
 def parse_tiny_model(path: str) -> tuple[str, bool] | None:
     """`tiny:NAME` (the seeded random model) or `tiny:NAME:format` (after format pre-training on the
     registered tasks, which gives LoRA something to steer) -> (NAME, pretrained); None for other paths."""

@@ -10,11 +10,20 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from miles_runner.config.schema import MilesConfig
 from miles_runner.lora.naming import adapter_name_problem
 from miles_runner.lora.targets import ALL_ALIASES, KNOWN_MODULES, is_known_module
-from miles_runner.plan.derive import Derived, adapter_value, min_groups_per_dp_split, resolved_targets
+from miles_runner.plan.derive import (
+    BUNDLED_DATA,
+    BUNDLED_SCHEME,
+    Derived,
+    adapter_value,
+    min_groups_per_dp_split,
+    resolve_data_path,
+    resolved_targets,
+)
 
 
 @dataclass(frozen=True)
@@ -605,6 +614,14 @@ def dataset_task_needs_data(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             yield Finding((f"adapters.runs[{i}].task", f"adapters.runs[{i}].data"),
                           f"Adapter '{run.name}' task {run.task} reads its prompts from a file.",
                           f"++adapters.runs.{i}.data=/path/to/prompts.jsonl")
+    named = [("rollout.data", "rollout.data", cfg.rollout.data)]
+    named += [(f"adapters.runs[{i}].data", f"++adapters.runs.{i}.data", run.data)
+              for i, run in enumerate(cfg.adapters.runs if d.multi_lora else [])]
+    for key, override, path in named:
+        if path.startswith(BUNDLED_SCHEME) and not Path(resolve_data_path(path)).is_file():
+            shipped = sorted(f.name for f in BUNDLED_DATA.glob("*.jsonl"))
+            yield Finding((key,), f"No prompt set {path.removeprefix(BUNDLED_SCHEME)!r} is bundled; the package "
+                          f"ships {shipped}.", f"{override}={BUNDLED_SCHEME}{shipped[0]}")
 
 
 # ---- routing replay ----

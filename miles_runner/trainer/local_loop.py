@@ -57,7 +57,7 @@ def run_local_grpo(config: LocalRunConfig, on_step: Callable[[int, dict[str, flo
                                temperature=config.sampling.temperature, seed=config.seed)
     trainer = FSDPTrainer(config.model_path, settings)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path, padding_side="left")
-    task, reward_fn = make_task(a.task, config.seed), get_reward(a.reward)
+    task, reward_fn = make_task(a.task, config.seed, a.data), get_reward(a.reward)
     stream = PromptStream(task)
     torch.manual_seed(config.seed)
     rewards, metrics = [], []

@@ -3,6 +3,7 @@ source per adapter, and `resolve_num_step` from the data set's length)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -35,3 +36,15 @@ def test_an_adapters_epoch_is_its_data_files_length_and_a_generated_task_has_non
     r = rollout()
     assert r.dataset_rows(run("a", 0, task="jsonl", data=prompt_file(tmp_path / "a.jsonl", ["1", "2", "3"]))) == 3
     assert r.dataset_rows(run("c", 2, task="count")) is None
+
+
+def test_an_adapter_registered_over_the_api_may_name_a_bundled_prompt_set():
+    from miles_runner.multi_lora.config import resolve_adapter_config
+
+    from .helpers import LIMITS, defaults
+
+    limits = dataclasses.replace(LIMITS, tasks=("jsonl",))
+    config = resolve_adapter_config("l", {"task": "jsonl", "data": "bundled:letters.jsonl"}, defaults(), limits)
+    assert Path(config.data).is_absolute() and Path(config.data).is_file()
+    r = rollout()
+    assert r.dataset_rows(run("l", 0, task="jsonl", data=config.data)) == 256

@@ -243,6 +243,10 @@ CASES = [
         "dataset-task-needs-data", TINY_MULTI, ("++adapters.runs.0.task=jsonl",),
         ("++adapters.runs.0.task=jsonl", "++adapters.runs.0.data=/data/p.jsonl"), "adapter",
     ),
+    RuleCase(
+        "dataset-task-needs-data", TINY_MULTI, ("++adapters.runs.2.data=bundled:letter.jsonl",),
+        ("++adapters.runs.2.data=bundled:letters.jsonl",), "bundled",
+    ),
     # ---- routing replay ----
     RuleCase(
         "routing-replay-needs-moe", ("rollout.routing_replay=true",), ("model=tiny_dense",), ("model=tiny_moe",)
