@@ -39,7 +39,7 @@ def test_plan_settings_take_the_engines_lora_flags_and_the_plan_sizes(plan_dir):
 def test_a_plan_controller_starts_with_the_plans_adapters_registered(plan_dir):
     controller = load_settings(parse_args(["--plan", str(plan_dir / "plan.yaml")])).build_controller()
     pending = controller.snapshot().pending
-    assert [(name, run.slot) for name, run in pending.items()] == [("count", 0), ("retry", 1), ("arith", 2)]
+    assert [(name, run.slot) for name, run in pending.items()] == [("count", 0), ("retry", 1), ("letters", 2)]
     assert pending["retry"].config.save == str(plan_dir / "adapters" / "retry")
 
 
@@ -61,7 +61,7 @@ def test_the_module_serves_a_saved_plan_from_its_run_folder(plan_dir):
     process, url = start_service(["--plan", "plan.yaml"], plan_dir, cwd=plan_dir)
     with process:
         adapters = httpx.get(f"{url}/adapter_runs", trust_env=False).json()["adapters"]
-    assert [a["name"] for a in adapters] == ["count", "retry", "arith"]
+    assert [a["name"] for a in adapters] == ["count", "retry", "letters"]
 
 
 def test_the_standalone_module_requires_its_token(tmp_path):

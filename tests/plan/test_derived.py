@@ -109,7 +109,7 @@ def test_multi_lora_adapters_get_slot_names_in_order(plan):
     assert [(a.name, a.lora_path) for a in p.adapters] == [
         ("count", "__miles_slot_0"),
         ("retry", "__miles_slot_1"),
-        ("arith", "__miles_slot_2"),
+        ("letters", "__miles_slot_2"),
     ]
 
 

@@ -198,7 +198,7 @@ CASES = [
     ),
     RuleCase(
         "adapter-names-unique-and-safe", TINY_MULTI,
-        ("adapters.runs.1.name=arith",), ("adapters.runs.1.name=arith_b",), "duplicate",
+        ("adapters.runs.1.name=letters",), ("adapters.runs.1.name=letters_b",), "duplicate",
     ),
     RuleCase(
         "adapter-names-unique-and-safe", TINY_MULTI,
