@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +14,6 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.contract import build_contract_adapter
-from miles_runner.engine.launch import start_engine
 from miles_runner.engine.tiny_model import ensure_tiny_model
 from miles_runner.errors import PlanError
 from miles_runner.lora.naming import rid_prefix
@@ -44,20 +41,6 @@ LONG = 1500  # new tokens: a turn that stays in flight until it is aborted
 @pytest.fixture(scope="module")
 def model_dir():
     return ensure_tiny_model("tiny-moe")
-
-
-@pytest.fixture(scope="module")
-def engine_url(model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
-        "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
-    ]  # fmt: skip
-    engine = start_engine(argv, port=port, log_path=tmp_path_factory.mktemp("logs") / "engine.log", timeout_s=180)
-    yield f"http://{LOOPBACK}:{port}"
-    engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,41 +4,18 @@ aborted by the `name::` prefix abort, no group of it is buffered afterwards, and
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections.abc import Iterator
-
-import pytest
 
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.contract import build_contract_adapter
-from miles_runner.engine.launch import start_engine
-from miles_runner.engine.tiny_model import ensure_tiny_model
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.controller import MultiLoRAController, fixed_workers
 from miles_runner.multi_lora.producer import GroupProducer, request_fields
 from miles_runner.multi_lora.registry import AdapterRun
-from miles_runner.runtime.ports import LOOPBACK, free_port
 from miles_runner.session.samples import STATUS_OF_FINISH, Sample, SampleStatus
 
 from .helpers import LIMITS, defaults, eventually, sample
 
 LONG, SHORT = 1500, 4  # new tokens: "slow" requests stay in flight until aborted; "fast" ones finish
-
-
-@pytest.fixture(scope="module")
-def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model_dir = ensure_tiny_model("tiny-moe")
-    adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
-        "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
-    ]  # fmt: skip
-    engine = start_engine(argv, port=port, log_path=tmp_path_factory.mktemp("logs") / "engine.log", timeout_s=180)
-    yield f"http://{LOOPBACK}:{port}"
-    engine.stop()
 
 
 def engine_generate_group(

@@ -1,0 +1,29 @@
+"""Shared fixtures: one embedded engine for the multi-LoRA tests, with two adapter slots loaded."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from miles_runner.engine.contract import build_contract_adapter
+from miles_runner.engine.launch import start_engine
+from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.runtime.ports import LOOPBACK, free_port
+
+
+@pytest.fixture(scope="session")
+def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The tiny MoE engine on 127.0.0.1 with `__miles_slot_0` and `__miles_slot_1` holding one test adapter."""
+    model_dir = ensure_tiny_model("tiny-moe")
+    adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir),
+        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
+        "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
+    ]  # fmt: skip
+    engine = start_engine(argv, port=port, log_path=tmp_path_factory.mktemp("logs") / "engine.log", timeout_s=180)
+    yield f"http://{LOOPBACK}:{port}"
+    engine.stop()
