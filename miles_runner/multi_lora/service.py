@@ -22,7 +22,8 @@ NAMESPACE = "miles"
 
 def controller_process(plan: Plan, run_dir: Path):
     """The controller service as a supervised child process (a ManagedProcess: `with` starts it healthy)."""
-    from miles_runner.runtime.local import PortBusyError, port_is_free, resolve_argv
+    from miles_runner.runtime.local import PortBusyError, resolve_argv
+    from miles_runner.runtime.ports import port_is_free
     from miles_runner.runtime.process import ManagedProcess
 
     launch = plan.multi_lora.launch

@@ -12,7 +12,6 @@ which the driver notices from its weight version and pushes again.
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from types import TracebackType
 from miles_runner.engine.router import ensure_worker, router_executable, wait_for_workers
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.render import PYTHON
+from miles_runner.runtime.ports import port_is_free
 from miles_runner.runtime.process import ManagedProcess, ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -52,16 +52,6 @@ def resolve_argv(argv: list[str]) -> list[str]:
     elif head == "sglang-router":
         head = router_executable()
     return [head, *argv[1:]]
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class Executor:

@@ -82,7 +82,7 @@ def test_a_component_failing_to_start_stops_the_ones_already_running(tmp_path):
 
 
 def port_in_use(port: int) -> bool:
-    from miles_runner.runtime.local import port_is_free
+    from miles_runner.runtime.ports import port_is_free
 
     return not port_is_free("127.0.0.1", port)
 

@@ -10,8 +10,7 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_plan
-from miles_runner.runtime.local import port_is_free
-from miles_runner.runtime.ports import free_port
+from miles_runner.runtime.ports import free_port, port_is_free
 from miles_runner.runtime.ray_executor import RayExecutor
 
 pytestmark = pytest.mark.slow
