@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 
 from bench.report import write_result
-from miles_runner.engine.tiny_model import ensure_tiny_model
-from miles_runner.runtime.ports import free_port
+from miles_runner.models.tiny_model import ensure_tiny_model
+from miles_runner.procs.ports import free_port
 
 CONCURRENCY = (1, 4, 16)
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -54,9 +54,9 @@ async def _http_rate(url: str, concurrency: int, per_client: int, max_new_tokens
 
 
 async def _in_process_rate(model_dir: Path, concurrency: int, per_client: int, max_new_tokens: int) -> float:
-    from miles_runner.engine.embedded.args import parse_args
-    from miles_runner.engine.embedded.engine import EmbeddedEngine
-    from miles_runner.engine.embedded.protocol import GenerateReqInput
+    from miles_runner.embedded_engine.args import parse_args
+    from miles_runner.embedded_engine.engine import EmbeddedEngine
+    from miles_runner.embedded_engine.protocol import GenerateReqInput
 
     engine = EmbeddedEngine(parse_args(["--model-path", str(model_dir)]))
     await engine.start()
@@ -81,7 +81,7 @@ async def _in_process_rate(model_dir: Path, concurrency: int, per_client: int, m
 
 def _start_server(model_dir: Path, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir), "--port", str(port)]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.report import write_result
+from miles_runner.loops.inprocess import LocalRunConfig, LocalRunResult, run_local_grpo
 from miles_runner.plan.model import AdapterPlan
 from miles_runner.rollout.inprocess import SamplingSettings
-from miles_runner.trainer.local_loop import LocalRunConfig, LocalRunResult, run_local_grpo
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -26,7 +26,7 @@ class Case:
     name: str
     task: str
     reward: str
-    pretrained: bool  # format pre-training of the tiny model (miles_runner.rollout.pretrain)
+    pretrained: bool  # format pre-training of the tiny model (miles_runner.models.format_pretrain)
     adapter_in_rollouts: bool = True
     lr: float = 0.005
     prompts: int = 16
@@ -47,8 +47,8 @@ CASES = (
 
 
 def model_path(pretrained: bool) -> Path:
-    from miles_runner.engine.tiny_model import ensure_tiny_model
-    from miles_runner.rollout.pretrain import ensure_format_pretrained
+    from miles_runner.models.format_pretrain import ensure_format_pretrained
+    from miles_runner.models.tiny_model import ensure_tiny_model
 
     return ensure_format_pretrained("tiny-moe") if pretrained else ensure_tiny_model("tiny-moe")
 
@@ -64,8 +64,8 @@ def run_case(case: Case, steps: int) -> LocalRunResult:
 
 def time_format_pretraining() -> float:
     """Seconds to pre-train a fresh copy (the cached model is what the cases use)."""
-    from miles_runner.engine.tiny_model import build_tiny_model
-    from miles_runner.rollout.pretrain import pretrain_format
+    from miles_runner.models.format_pretrain import pretrain_format
+    from miles_runner.models.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as folder:
         build_tiny_model(folder)
@@ -85,7 +85,7 @@ def main() -> None:
     lines = [f"In-process LoRA GRPO on tiny-moe (HF generate with the peft model, temperature 1, at most 4 new "
              f"tokens per turn), {args.steps} steps, attention LoRA r8/a16 (q,k,v,o), Adam, one optimizer step "
              "per rollout; reward = mean of the first / last 5 steps. Format pre-training "
-             "(`miles_runner.rollout.pretrain`) fits the init-0.1 model on random *well-formed* episodes of every "
+             "(`models.format_pretrain`) fits the init-0.1 model on random *well-formed* episodes of every "
              "task, so it answers with a number at about chance (count: 1/6; guess_number with uniform guesses: "
              "~0.27); the LoRA then has to learn which number. The adapter-off rows train the same adapter but "
              "sample from the base model.", "",

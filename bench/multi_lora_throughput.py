@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import write_result
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 ADAPTER_COUNTS = (1, 2, 4)
 RBS, N = 4, 8  # groups per adapter step, samples per group
@@ -30,7 +30,7 @@ MAX_RESPONSE_LEN = 16
 
 
 def plan_run(output_root: Path, adapters: int, steps_each: int) -> Path:
-    from miles_runner.cli import single_run
+    from miles_runner.cli.main import single_run
 
     runs = ", ".join(f"{{name: a{i}, task: count}}" for i in range(adapters))
     args = [
@@ -52,12 +52,12 @@ def plan_run(output_root: Path, adapters: int, steps_each: int) -> Path:
 
 
 def run_case(adapters: int, adapter_steps: int) -> dict[str, Any]:
+    from miles_runner.loops.multi_lora import MultiLoRALoop
     from miles_runner.plan.record import read_plan
-    from miles_runner.runtime.multi_lora_driver import MultiLoRADriver
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = plan_run(Path(tmp) / "outputs", adapters, adapter_steps // adapters)
-        records = MultiLoRADriver(read_plan(run_dir / "plan.yaml"), run_dir).run()
+        records = MultiLoRALoop(read_plan(run_dir / "plan.yaml"), run_dir).run()
     steady = records[1:]  # the first record has no previous one to rate tokens against
     loop_s = sum(r["batch/collect_seconds"] + r["train/seconds"] + r["sync/seconds"] for r in steady)
     groups = sum(v for r in steady for k, v in r.items() if k.endswith("/groups"))
@@ -76,9 +76,9 @@ def engine_rate(adapters: int, seconds: float) -> dict[str, float]:
     """Tokens/s and groups/s the producer gets from one engine serving `adapters` slots at once."""
     import sys
 
-    from miles_runner.engine.contract import build_contract_adapter
-    from miles_runner.engine.launch import start_engine
     from miles_runner.plan.record import read_plan
+    from miles_testkit.contract import build_contract_adapter
+    from miles_testkit.launch import start_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = plan_run(Path(tmp) / "outputs", adapters, 1)
@@ -89,7 +89,7 @@ def engine_rate(adapters: int, seconds: float) -> dict[str, float]:
         argv = [
             sys.executable,
             "-m",
-            "miles_runner.engine.embedded",
+            "miles_runner.embedded_engine",
             "--model-path",
             plan.model_path,
             "--port",

@@ -16,7 +16,7 @@ from bench.report import write_result
 
 HEAVY = ("torch", "ray", "transformers", "sglang", "peft")
 IMPORT_PROBE = (
-    "import sys; from miles_runner.cli import main; main(['+recipe=glm52_lora_agentic', '--plan', "
+    "import sys; from miles_runner.cli.main import main; main(['+recipe=glm52_lora_agentic', '--plan', "
     "'run.output_root={root}']); print('HEAVY=' + ','.join(m for m in {heavy} if m in sys.modules))"
 )
 
@@ -24,7 +24,8 @@ IMPORT_PROBE = (
 def time_plan(root: str) -> float:
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "miles_runner.cli", "+recipe=glm52_lora_agentic", "--plan", f"run.output_root={root}"],
+        [sys.executable, "-m", "miles_runner.cli", "+recipe=glm52_lora_agentic", "--plan",
+         f"run.output_root={root}"],
         check=True, capture_output=True,
     )
     return time.perf_counter() - start

@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 
 from bench.report import write_result
-from miles_runner.engine.launch import start_engine
-from miles_runner.engine.tiny_model import ensure_tiny_model
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ManagedProcess
+from miles_runner.models.tiny_model import ensure_tiny_model
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ManagedProcess
+from miles_testkit.launch import start_engine
 
 TURNS = 10
 MAX_TOKENS = 4
@@ -37,7 +37,7 @@ def engine_and_session_server(session_flags: list[str], engine_flags: list[str] 
     model_dir = ensure_tiny_model("tiny-moe")
     logs = Path(tempfile.mkdtemp(prefix="session-bench-"))
     engine_port, server_port = free_port(), free_port()
-    engine_argv = [sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir)]
+    engine_argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir)]
     engine_argv += ["--host", "127.0.0.1", "--port", str(engine_port), *engine_flags]
     engine = start_engine(engine_argv, port=engine_port, log_path=logs / "engine.log", timeout_s=300)
     engine_url, server_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{server_port}"

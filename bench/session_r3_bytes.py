@@ -16,7 +16,7 @@ import httpx
 
 from bench.report import write_result
 from bench.session_latency import engine_and_session_server
-from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.session.config import read_num_layers
 
 TURN_COUNTS = (10, 50)

@@ -1,5 +1,5 @@
 """GPU check: real SGLang serving the tiny MoE model, driven through the same EngineClient contract as the CPU
-contract tests (miles_runner/engine/contract.py), with LoRA and routed experts on.
+contract tests (miles_testkit/contract.py), with LoRA and routed experts on.
 
     python scripts/gpu_check_sglang.py [--work-dir DIR] [--start-timeout-s 600] [--only CHECK ...]
 
@@ -62,7 +62,7 @@ def sglang_tensor_wires() -> tuple[Any, Any]:
 
 async def run_checks(url: str, model_dir: Path, adapter_path: Path, only: list[str]) -> dict[str, Any]:
     from miles_runner.engine.client import EngineClient
-    from miles_runner.engine.contract import CONTRACT_ADAPTER, CONTRACT_CHECKS, ContractTarget, run_contract
+    from miles_testkit.contract import CONTRACT_ADAPTER, CONTRACT_CHECKS, ContractTarget, run_contract
 
     lora_wire, weights_wire = sglang_tensor_wires()
     checks = [check for check in CONTRACT_CHECKS if not only or check.__name__ in only]
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "skipped": reason}))
         return 2
 
-    from miles_runner.engine.contract import build_contract_adapter, contract_engine_argv
-    from miles_runner.engine.launch import engine_url, start_engine
-    from miles_runner.engine.tiny_model import ensure_tiny_model
-    from miles_runner.runtime.ports import free_port
+    from miles_runner.models.tiny_model import ensure_tiny_model
+    from miles_runner.procs.ports import free_port
+    from miles_testkit.contract import build_contract_adapter, contract_engine_argv
+    from miles_testkit.launch import engine_url, start_engine
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu_check_sglang-"))
     model_dir = ensure_tiny_model("tiny-moe")

@@ -1,4 +1,4 @@
-"""Write the bundled `letters` prompt set (miles_runner/rollout/data/letters.jsonl), deterministically.
+"""Write the bundled `letters` prompt set (miles_runner/plugins/data/letters.jsonl), deterministically.
 
     python scripts/make_letters_data.py
 

@@ -16,7 +16,7 @@ from typing import Any
 from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass
 from miles_runner.config.provenance import COMMAND_LINE, Provenance, build_provenance, flatten
 from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
-from miles_runner.errors import PlanError, Problem
+from miles_runner.core.errors import PlanError, Problem
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"

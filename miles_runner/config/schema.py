@@ -7,6 +7,7 @@ the miles flags they stand for (see reference/miles-spec.md §1.1), with the `--
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -305,3 +306,13 @@ class MilesConfig:
 def defaults_tree() -> dict[str, Any]:
     """The full default tree as plain data: the base that Hydra composes everything onto."""
     return asdict(MilesConfig())
+
+
+def lookup(cfg: MilesConfig, path: str) -> Any:
+    """The value at a dotted path such as `adapters.runs[1].rank`; None where any part is missing."""
+    value: Any = cfg
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        value = value[int(part[1:-1])] if part.startswith("[") else getattr(value, part, None)
+        if value is None:
+            return None
+    return value

@@ -11,31 +11,18 @@ The router does not fan out abort, pause, weight or LoRA calls: send those to ea
 
 from __future__ import annotations
 
-import shutil
-import sys
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
 from miles_runner.engine.client import EngineClient, engine_error
 from miles_runner.plan import render
-from miles_runner.runtime.ports import LOOPBACK, free_port
-from miles_runner.runtime.process import ManagedProcess
+from miles_runner.procs.process import ManagedProcess
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
 STICKY_POLICY = "manual"
-
-
-def router_executable() -> str:
-    """The `sglang-router` console script of this interpreter's environment (else the one on PATH)."""
-    beside_python = Path(sys.executable).with_name("sglang-router")
-    found = str(beside_python) if beside_python.exists() else shutil.which("sglang-router")
-    if found is None:
-        raise FileNotFoundError("sglang-router is not installed: pip install sglang-router==0.3.2")
-    return found
 
 
 def router_argv(
@@ -58,35 +45,6 @@ def router_argv(
     return [executable, *argv[1:], *extra]
 
 
-def start_router(
-    worker_urls: Sequence[str],
-    *,
-    port: int,
-    log_path: str | Path,
-    policy: str = "cache_aware",
-    extra: Sequence[str] = (),
-    host: str = LOOPBACK,
-    env: Mapping[str, str] | None = None,
-    timeout_s: float = 60.0,
-) -> ManagedProcess:
-    """Start the router in front of running, healthy engines; return once it answers /health and lists
-    every one of `worker_urls` (a worker it cannot reach at start is silently left out, so this checks)."""
-    argv = router_argv(
-        host, port, worker_urls, policy, extra, metrics_port=free_port(host), executable=router_executable()
-    )
-    url = f"http://{host}:{port}"
-    process = ManagedProcess(
-        f"router:{port}",
-        argv,
-        env=env,
-        log_path=log_path,
-        health_url=f"{url}/health",
-        startup_timeout_s=timeout_s,
-    )
-    process.start()
-    process.wait_healthy()
-    wait_for_workers(process, url, worker_urls, timeout_s)
-    return process
 
 
 def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Sequence[str], timeout_s: float) -> None:

@@ -23,9 +23,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from miles_runner.engine.client import EngineClient, EngineError, EngineUnavailable
-from miles_runner.lora.sync import AdapterSync, unload_quietly
+from miles_runner.engine.weight_update_group import (
+    broadcast_tensors,
+    destroy_weight_update_group,
+    dtype_name,
+    init_weight_update_group,
+)
+from miles_runner.lora.adapter_sync import AdapterSync, unload_quietly
 from miles_runner.plan.model import Plan
-from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.procs.ports import LOOPBACK, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,6 @@ class BroadcastSync(AdapterSync):
         self._group: Any = None  # torch.distributed.ProcessGroup once connected
 
     async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
-        from miles_runner.engine.weight_update_group import broadcast_tensors, dtype_name
 
         group = await self._connect()
         names = list(tensors)
@@ -83,7 +88,6 @@ class BroadcastSync(AdapterSync):
         """Build the group on first use: every engine joins over HTTP while the trainer joins as rank 0."""
         if self._group is not None:
             return self._group
-        from miles_runner.engine.weight_update_group import destroy_weight_update_group, init_weight_update_group
 
         await self._each(self._destroy_quietly)  # a group left by an earlier trainer would refuse the init
         port = free_port(self.master_address)
@@ -112,7 +116,6 @@ class BroadcastSync(AdapterSync):
 
     async def close(self) -> None:
         """Leave the group on every side (idempotent): on shutdown, and after a failed push."""
-        from miles_runner.engine.weight_update_group import destroy_weight_update_group
 
         await self._each(self._destroy_quietly)
         group, self._group = self._group, None

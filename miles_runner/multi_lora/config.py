@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_runner.lora.naming import adapter_name_problem
+from miles_runner.core.adapters import adapter_name_problem
 from miles_runner.plan.derive import min_groups_per_dp_split, resolve_data_path
 from miles_runner.plan.model import AdapterPlan
 

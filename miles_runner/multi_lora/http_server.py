@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
+from miles_runner.multi_lora.settings import load_settings, parse_args
 
 
 class _Body(BaseModel):
@@ -245,8 +246,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
-
-    from miles_runner.multi_lora.settings import load_settings, parse_args
 
     args = parse_args(argv)
     settings = load_settings(args)

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from miles_runner.lora.naming import adapter_request_fields, slot_lora_name
+from miles_runner.core.adapters import adapter_request_fields, slot_lora_name
 from miles_runner.multi_lora.buffers import AdapterBuffers, Group
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.registry import AdapterRun

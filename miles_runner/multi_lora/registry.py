@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from miles_runner.lora.naming import adapter_name_problem
+from miles_runner.core.adapters import adapter_name_problem
 from miles_runner.multi_lora.config import AdapterRunConfig
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,8 @@ from miles_runner.config.schema import AdaptersConfig
 from miles_runner.multi_lora.config import AdapterDefaults, AdapterLimits, plan_overrides
 from miles_runner.multi_lora.controller import MultiLoRAController, fixed_workers, router_workers
 from miles_runner.plan.model import Plan
+from miles_runner.plan.record import read_plan
+from miles_runner.plugins.lookup import registered
 
 TOKEN_ENV = "MILES_MULTI_LORA_API_TOKEN"  # preferred over --api-token: argv is visible to every local user
 DEFAULT_PORT = 8068
@@ -43,8 +45,6 @@ class ControllerSettings:
 
 
 def registered_plugins() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    from miles_runner.rollout.plugins import registered
-
     names = registered()
     return tuple(names["task"]), tuple(names["reward"]), tuple(names["agent"])
 
@@ -117,8 +117,6 @@ def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
 
 def load_settings(args: argparse.Namespace) -> ControllerSettings:
     if args.plan:
-        from miles_runner.plan.record import read_plan
-
         plan_path = Path(args.plan).resolve()
         settings = settings_from_plan(read_plan(plan_path), plan_path.parent)
     else:

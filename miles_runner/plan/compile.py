@@ -11,8 +11,8 @@ from typing import Any
 
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.config.provenance import format_value
-from miles_runner.config.schema import MilesConfig
-from miles_runner.errors import PlanError, Problem
+from miles_runner.config.schema import MilesConfig, lookup
+from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan import render
 from miles_runner.plan.derive import Derived, adapter_value, derive, resolve_data_path, resolved_targets
 from miles_runner.plan.model import (
@@ -74,14 +74,6 @@ def display_setting(key: str, composed: ComposedConfig) -> tuple[str, Any]:
         return f"{key}={format_value(value)}", provenance.origin(f"adapters.runs.{index}.{field}")
     return provenance.display(key, lookup(cfg, key))
 
-
-def lookup(cfg: MilesConfig, path: str) -> Any:
-    value: Any = cfg
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
-        value = value[int(part[1:-1])] if part.startswith("[") else getattr(value, part, None)
-        if value is None:
-            return None
-    return value
 
 
 def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_runner.config.schema import AdapterRun, MilesConfig
-from miles_runner.lora.naming import LORA_ADAPTER_NAME, slot_lora_name
-from miles_runner.lora.targets import expand_target_modules
+from miles_runner.core.adapters import LORA_ADAPTER_NAME, slot_lora_name
+from miles_runner.core.targets import expand_target_modules
 
 TINY_SCHEME = "tiny:"
 TINY_MODEL_SEED = 0
@@ -152,11 +152,11 @@ def max_lora_rank(cfg: MilesConfig) -> int:
 
 
 BUNDLED_SCHEME = "bundled:"
-BUNDLED_DATA = Path(__file__).resolve().parents[1] / "rollout" / "data"  # prompt sets shipped with the package
+BUNDLED_DATA = Path(__file__).resolve().parents[1] / "plugins" / "data"  # prompt sets shipped with the package
 
 
 def resolve_data_path(path: str) -> str:
-    """A prompt file for the plan: `bundled:NAME` -> the file shipped in miles_runner/rollout/data; a relative
+    """A prompt file for the plan: `bundled:NAME` -> the file shipped in miles_runner/plugins/data; a relative
     path -> absolute (servers run in the run folder); absolute paths and "" as they are."""
     if path.startswith(BUNDLED_SCHEME):
         return str(BUNDLED_DATA / path.removeprefix(BUNDLED_SCHEME))

@@ -10,7 +10,7 @@ from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
-ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.engine.embedded"}
+ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.embedded_engine"}
 def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: int) -> list[str]:
     e = cfg.engine
     argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
@@ -69,7 +69,7 @@ def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: 
 def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
     """The driver, run in the run folder: trainer rank 0 itself; it starts ranks 1..N-1 as
     `python -m miles_runner.trainer.ranks RUN_DIR --rank K --master-port P` (one node)."""
-    return [PYTHON, "-m", "miles_runner.runtime.driver", "."]
+    return [PYTHON, "-m", "miles_runner.loops.run", "."]
 
 
 def controller_argv(host: str, port: int) -> list[str]:

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_runner.config.schema import MilesConfig
-from miles_runner.lora.naming import adapter_name_problem
-from miles_runner.lora.targets import ALL_ALIASES, KNOWN_MODULES, is_known_module
+from miles_runner.config.loader import did_you_mean
+from miles_runner.config.schema import MilesConfig, lookup
+from miles_runner.core.adapters import adapter_name_problem
+from miles_runner.core.targets import ALL_ALIASES, KNOWN_MODULES, is_known_module
 from miles_runner.plan.derive import (
     BUNDLED_DATA,
     BUNDLED_SCHEME,
@@ -24,6 +25,8 @@ from miles_runner.plan.derive import (
     resolve_data_path,
     resolved_targets,
 )
+from miles_runner.plugins.lookup import registered
+from miles_runner.plugins.tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,6 @@ NON_NEGATIVE_SIZES = (
 
 @rule("sizes-positive", precondition=True)
 def sizes_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
-    from miles_runner.plan.compile import lookup
-
     for key in POSITIVE_SIZES + NON_NEGATIVE_SIZES:
         value, least = lookup(cfg, key), 1 if key in POSITIVE_SIZES else 0
         if value < least:
@@ -373,8 +374,6 @@ def lora_targets_required(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 
 @rule("lora-target-unknown")
 def lora_target_unknown(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    from miles_runner.config.loader import did_you_mean
-
     if not d.lora_enabled:
         return
     for name in cfg.adapters.target_modules:
@@ -583,9 +582,6 @@ def _plugin_uses(cfg: MilesConfig, d: Derived) -> list[tuple[str, str, str]]:
 
 @rule("plugins-registered")
 def plugins_registered(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    from miles_runner.config.loader import did_you_mean
-    from miles_runner.rollout.plugins import registered
-
     names = registered()
     for key, value, kind in _plugin_uses(cfg, d):
         if value not in names[kind]:
@@ -601,8 +597,6 @@ def plugins_registered(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 
 @rule("dataset-task-needs-data")
 def dataset_task_needs_data(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    from miles_runner.rollout.tasks import TASKS
-
     def needs_data(task: str) -> bool:
         return task in TASKS and TASKS.get(task).needs_data
 

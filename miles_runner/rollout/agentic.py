@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 
 from miles_runner.engine.client import pool_limits
+from miles_runner.plugins.tasks import Message, Prompt
 from miles_runner.rollout.context import RolloutContext
-from miles_runner.rollout.tasks import Message, Prompt
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.samples import Sample
 

@@ -7,10 +7,11 @@ from typing import Any
 
 from miles_runner.engine.client import EngineClient
 from miles_runner.plan.model import Plan
-from miles_runner.rollout.agents import AgentFn
-from miles_runner.rollout.plugins import get_agent, get_reward, make_task
-from miles_runner.rollout.rewards import RewardFn
-from miles_runner.rollout.tasks import Task
+from miles_runner.plugins.agents import AgentFn
+from miles_runner.plugins.lookup import get_agent, get_reward, make_task
+from miles_runner.plugins.rewards import RewardFn
+from miles_runner.plugins.tasks import Task
+from miles_runner.session.tito import TitoTokenizer
 
 
 @dataclass
@@ -26,8 +27,6 @@ class RolloutContext:
 
     @classmethod
     def from_plan(cls, plan: Plan, client: EngineClient, session_url: str | None) -> RolloutContext:
-        from miles_runner.session.tito import TitoTokenizer
-
         rollout = plan.rollout
         agentic = plan.session is not None
         lora = plan.adapters[0].lora_path if plan.capabilities.lora_rollout_enabled and plan.adapters else None

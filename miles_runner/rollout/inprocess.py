@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_runner.rollout.rewards import RewardFn
-from miles_runner.rollout.tasks import Prompt, Task
+from miles_runner.plugins.rewards import RewardFn
+from miles_runner.plugins.tasks import Prompt, Task
 from miles_runner.session.samples import Sample, SampleStatus
 
 

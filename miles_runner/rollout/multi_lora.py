@@ -22,17 +22,17 @@ from typing import Any
 
 import httpx
 
+from miles_runner.core.adapters import slot_lora_name
 from miles_runner.engine.client import EngineError, EngineUnavailable
-from miles_runner.lora.naming import slot_lora_name
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.producer import request_fields, sampleable_tenant
 from miles_runner.multi_lora.registry import AdapterRun
+from miles_runner.plugins.agents import AgentFn
+from miles_runner.plugins.lookup import get_agent, get_reward, make_task
+from miles_runner.plugins.tasks import Prompt, Task
 from miles_runner.rollout.agentic import EpisodeAborted, SessionClients, play_episode
-from miles_runner.rollout.agents import AgentFn
 from miles_runner.rollout.context import RolloutContext
-from miles_runner.rollout.plugins import get_agent, get_reward, make_task
 from miles_runner.rollout.single_turn import generate_sample
-from miles_runner.rollout.tasks import Prompt, Task
 from miles_runner.session.samples import Sample, SampleStatus
 
 log = logging.getLogger(__name__)

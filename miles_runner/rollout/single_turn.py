@@ -6,8 +6,8 @@ import asyncio
 import uuid
 
 from miles_runner.engine import response
+from miles_runner.plugins.tasks import Prompt
 from miles_runner.rollout.context import RolloutContext
-from miles_runner.rollout.tasks import Prompt
 from miles_runner.session.samples import STATUS_OF_FINISH, Sample, SampleStatus
 
 

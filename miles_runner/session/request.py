@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from miles_runner.lora.naming import adapter_request_fields
+from miles_runner.core.adapters import adapter_request_fields
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import MessageValidationError, UpstreamResponseError
 from miles_runner.session.messages import Message, normalize_message

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from miles_runner.session.app import create_app
 from miles_runner.session.config import SessionServerConfig
 
 
@@ -60,8 +61,6 @@ def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
-
-    from miles_runner.session.app import create_app
 
     args = build_parser().parse_args(argv)
     config = config_from_args(args)

@@ -26,11 +26,11 @@ import torch
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.plan.model import AdapterPlan, Plan
 from miles_runner.trainer import lora_model
+from miles_runner.trainer.distributed import rank_and_world
 from miles_runner.trainer.logprobs import TrainingSample, pack_samples, token_log_probs
 from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
-from miles_runner.trainer.ranks import rank_and_world
 
 IDLE_ADAPTER = "__idle"
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -27,7 +26,11 @@ from typing import Any
 import torch.distributed as dist
 
 from miles_runner.plan.model import Plan
-from miles_runner.runtime.ports import LOOPBACK
+from miles_runner.plan.record import read_plan
+from miles_runner.procs.launch import python_module
+from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +43,11 @@ REPLAYED = frozenset({
 })  # fmt: skip
 
 
-def rank_and_world() -> tuple[int, int]:
-    """This process's trainer rank and the number of ranks (0, 1 without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
 
 def build_trainer(plan: Plan) -> Any:
     """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, else the FSDP trainer."""
     if plan.capabilities.multi_lora:
-        from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
-
         return MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
-    from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-
     return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
 
 
@@ -91,17 +84,11 @@ class RankedTrainer:
 
     @classmethod
     def start(cls, plan: Plan, run_dir: Path) -> RankedTrainer:
-        from miles_runner.runtime.ports import free_port
-        from miles_runner.runtime.process import ManagedProcess
-
         port, world = free_port(), plan.trainer.parallel.world_size
         followers = [
-            ManagedProcess(
-                f"trainer{rank}",
-                [sys.executable, "-m", "miles_runner.trainer.ranks", str(run_dir), "--rank", str(rank),
-                 "--master-port", str(port)],
-                env={"LOCAL_RANK": str(rank)}, log_path=run_dir / "logs" / f"trainer{rank}.log",
-            ).start()
+            python_module(f"trainer{rank}", "miles_runner.trainer.ranks",
+                          [str(run_dir), "--rank", str(rank), "--master-port", str(port)],
+                          run_dir / "logs", env={"LOCAL_RANK": str(rank)}).start()
             for rank in range(1, world)
         ]  # fmt: skip
         try:
@@ -147,8 +134,6 @@ class RankedTrainer:
 
 def follow(run_dir: Path, rank: int, master_port: int) -> None:
     """A follower rank: build the plan's trainer, then replay rank 0's calls until told to exit."""
-    from miles_runner.plan.record import read_plan
-
     plan = read_plan(run_dir / "plan.yaml")
     commands = join_group(plan, rank, master_port)
     trainer = build_trainer(plan)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_runner.cli import main, sweep_points
+from miles_runner.cli.main import main, sweep_points
 from miles_runner.config.compose import RECIPES_DIR, compose
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.record import read_plan
@@ -80,7 +80,7 @@ def test_unknown_flag_exits_2(capsys):
 
 def test_plan_path_imports_no_heavy_package(tmp_path):
     code = (
-        "import sys; from miles_runner.cli import main; "
+        "import sys; from miles_runner.cli.main import main; "
         f"main(['+recipe=glm52_lora_agentic', '--plan', 'run.output_root={tmp_path}']); "
         "print(sorted(m for m in ('torch', 'ray', 'transformers', 'sglang', 'peft') if m in sys.modules))"
     )

@@ -5,7 +5,7 @@ import pytest
 from miles_runner.config.compose import compose
 from miles_runner.config.loader import SchemaError, load_dataclass
 from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
-from miles_runner.errors import PlanError
+from miles_runner.core.errors import PlanError
 
 
 def problems_of(overrides: list[str]) -> list:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import ensure_tiny_model
 
 from .server_process import EngineProcess, start_engine
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 90
@@ -42,7 +42,7 @@ class EngineProcess:
 def start_engine(model_dir: Path, log_path: Path, *extra_args: str) -> EngineProcess:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "miles_runner.engine.embedded",
+        sys.executable, "-m", "miles_runner.embedded_engine",
         "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from miles_runner.engine.embedded.lora_registry import serialize_lora_tensors
+from miles_runner.embedded_engine.lora_registry import serialize_lora_tensors
 
 from .conftest import MAX_LORA_RANK
 

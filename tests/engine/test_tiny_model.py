@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.engine.tiny_model import COMPLETE_MARKER, build_tiny_model, ensure_tiny_model, main
+from miles_runner.models.tiny_model import COMPLETE_MARKER, build_tiny_model, ensure_tiny_model, main
 
 
 def _digest(folder: Path) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_runner.engine.embedded.tensor_wire import serialize_named_tensors
+from miles_runner.engine.tensor_wire import serialize_named_tensors
 
 PROMPT = {
     "input_ids": [5, 6, 7, 8],
@@ -23,7 +23,7 @@ async def _version(client) -> str:
 
 
 async def test_update_weights_from_disk_swaps_weights_and_sets_the_version(plain_client, plain_engine, tmp_path):
-    from miles_runner.engine.tiny_model import build_tiny_model
+    from miles_runner.models.tiny_model import build_tiny_model
 
     original_path = (await plain_client.get("/model_info")).json()["model_path"]
     before = await _logprobs(plain_client)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.engine.contract import build_contract_adapter, contract_engine_argv
-from miles_runner.engine.launch import engine_url, start_engine
-from miles_runner.engine.tiny_model import ensure_tiny_model
-from miles_runner.runtime.ports import free_port
+from miles_runner.models.tiny_model import ensure_tiny_model
+from miles_runner.procs.ports import free_port
+from miles_testkit.contract import build_contract_adapter, contract_engine_argv
+from miles_testkit.launch import engine_url, start_engine
 
 from .engines import EMBEDDED, ENGINE_START_TIMEOUT_S, TEST_ENV
 

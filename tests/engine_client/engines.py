@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from miles_runner.runtime.ports import LOOPBACK
+from miles_runner.procs.ports import LOOPBACK
 
-EMBEDDED = "miles_runner.engine.embedded"
+EMBEDDED = "miles_runner.embedded_engine"
 ENGINE_START_TIMEOUT_S = 180.0
 TEST_ENV = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 

@@ -20,7 +20,7 @@ from miles_runner.engine.client import (
     EngineUnavailable,
     error_message,
 )
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 
 class FakeOldSGLang(BaseHTTPRequestHandler):

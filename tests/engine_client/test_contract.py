@@ -1,4 +1,4 @@
-"""The EngineClient contract (miles_runner/engine/contract.py) against the embedded engine: one test per
+"""The EngineClient contract (miles_testkit/contract.py) against the embedded engine: one test per
 protocol behaviour. scripts/gpu_check_sglang.py runs the same checks against real SGLang."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles_runner.engine.client import EngineClient, EngineUnavailable
-from miles_runner.engine.contract import (
+from miles_runner.engine.tensor_wire import serialize_lora_tensors, serialize_named_tensors
+from miles_testkit.contract import (
     CONTRACT_ADAPTER,
     CONTRACT_CHECKS,
     Check,
@@ -21,7 +22,6 @@ from miles_runner.engine.contract import (
     rid,
     run_contract,
 )
-from miles_runner.engine.embedded.tensor_wire import serialize_lora_tensors, serialize_named_tensors
 
 # Long enough to still be running well after its first token on CPU, short enough to finish after a pause.
 EMBEDDED_LONG_TOKENS = 128

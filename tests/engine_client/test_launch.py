@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.engine.launch import argv_flag, engine_url, start_engine
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ProcessStartError
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ProcessStartError
+from miles_testkit.launch import argv_flag, engine_url, start_engine
 
 from .engines import TEST_ENV, plain_engine_argv
 

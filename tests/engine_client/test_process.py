@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import LOG_TAIL_LINES, ManagedProcess, ProcessGroup, ProcessStartError
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import LOG_TAIL_LINES, ManagedProcess, ProcessGroup, ProcessStartError
 
 
 def python(code: str) -> list[str]:
@@ -148,7 +148,7 @@ def test_process_group_stops_in_reverse_start_order(tmp_path: Path) -> None:
 
 def test_atexit_stops_processes_the_parent_left_running(tmp_path: Path) -> None:
     driver = python(f"""
-        from miles_runner.runtime.process import ManagedProcess
+        from miles_runner.procs.process import ManagedProcess
         child = ManagedProcess("left", ["sleep", "600"], log_path={str(tmp_path / "left.log")!r}).start()
         print(child.pid, flush=True)
         raise RuntimeError("the driver crashed without stopping its child")

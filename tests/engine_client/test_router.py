@@ -14,11 +14,11 @@ import pytest
 
 from miles_runner.engine import response as res
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.contract import generate_payload
-from miles_runner.engine.launch import engine_process, engine_url
-from miles_runner.engine.router import STICKY_POLICY, list_workers, router_argv, start_router, worker_urls_of
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ManagedProcess, ProcessGroup, ProcessStartError
+from miles_runner.engine.router import STICKY_POLICY, list_workers, router_argv, worker_urls_of
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ManagedProcess, ProcessGroup, ProcessStartError
+from miles_testkit.contract import generate_payload
+from miles_testkit.launch import engine_process, engine_url, start_router
 
 from .engines import ENGINE_START_TIMEOUT_S, TEST_ENV, plain_engine_argv
 

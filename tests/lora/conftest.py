@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.launch import engine_url, start_engine
-from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.model import Plan
-from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_testkit.launch import engine_url, start_engine
 
 DIST_TIMEOUT_S = 5
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -59,7 +59,7 @@ def adapters(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 def engine_url_for_sync(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(tiny_moe_dir),
+        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(tiny_moe_dir),
         "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
         "--dist-timeout", str(DIST_TIMEOUT_S),
     ]  # fmt: skip

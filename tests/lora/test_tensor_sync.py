@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from miles_runner.engine.client import EngineClient
-from miles_runner.lora.sync import TensorSync, make_sync
+from miles_runner.lora.sync import make_sync
+from miles_runner.lora.tensor_sync import TensorSync
 
 from .engine_probe import greedy_logprobs, is_paused, served_adapters, start_long_request
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from miles_runner.engine.contract import build_contract_adapter
-from miles_runner.engine.launch import start_engine
-from miles_runner.engine.tiny_model import ensure_tiny_model
-from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.models.tiny_model import ensure_tiny_model
+from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_testkit.contract import build_contract_adapter
+from miles_testkit.launch import start_engine
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(model_dir),
+        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir),
         "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
         "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
     ]  # fmt: skip

@@ -17,7 +17,7 @@ from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.config import AdapterDefaults, AdapterLimits, AdapterRunConfig
 from miles_runner.multi_lora.producer import request_fields
 from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 from miles_runner.session.samples import Sample, SampleStatus
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 
 from miles_runner.config.compose import compose
+from miles_runner.core.adapters import rid_prefix
+from miles_runner.core.errors import PlanError
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.tiny_model import ensure_tiny_model
-from miles_runner.errors import PlanError
-from miles_runner.lora.naming import rid_prefix
+from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.config import resolve_adapter_config
 from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
+from miles_runner.plugins.lookup import get_agent, get_reward, make_task
+from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.rollout.agentic import rollout_agentic
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.multi_lora import MultiLoRARollout
-from miles_runner.rollout.plugins import get_agent, get_reward, make_task
-from miles_runner.runtime.ports import LOOPBACK, free_port
 from miles_runner.session.app import create_app
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.core import SessionCore

@@ -17,7 +17,7 @@ from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.http_server import create_app
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 from .helpers import LIMITS, abort_recorder, defaults, serve
 

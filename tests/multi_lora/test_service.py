@@ -13,8 +13,8 @@ from miles_runner.config.compose import compose
 from miles_runner.multi_lora.settings import TOKEN_ENV, load_settings, parse_args
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import plan_to_dict
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ManagedProcess
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ManagedProcess
 
 MODULE = "miles_runner.multi_lora.http_server"
 

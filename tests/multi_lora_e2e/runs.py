@@ -11,14 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 TOKEN = "e2e-token"
 
 
 def plan_run(output_root: Path, *overrides: str) -> Path:
     """Compile +recipe=tiny_multi_lora with free ports and record it; returns the run folder."""
-    from miles_runner.cli import single_run
+    from miles_runner.cli.main import single_run
 
     args = [
         "+recipe=tiny_multi_lora",
@@ -36,7 +36,7 @@ def plan_run(output_root: Path, *overrides: str) -> Path:
 def start_driver(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN}
     return subprocess.Popen(
-        [sys.executable, "-m", "miles_runner.runtime.driver", str(run_dir), *extra],
+        [sys.executable, "-m", "miles_runner.loops.run", str(run_dir), *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.lora.naming import slot_lora_name
+from miles_runner.core.adapters import slot_lora_name
+from miles_runner.loops.multi_lora import MultiLoRALoop
 from miles_runner.plan.record import read_plan
-from miles_runner.runtime.multi_lora_driver import MultiLoRADriver
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 
 from .runs import events, metrics, plan_run, start_driver, wait_for
 
@@ -32,7 +32,7 @@ def engine_pid(port: int) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except (FileNotFoundError, PermissionError, NotADirectoryError):
             continue
-        if b"miles_runner.engine.embedded" in argv and str(port).encode() in argv:
+        if b"miles_runner.embedded_engine" in argv and str(port).encode() in argv:
             return int(proc.name)
     raise AssertionError(f"no engine process on port {port}")
 
@@ -93,7 +93,7 @@ def test_training_carries_on_after_the_restart_to_each_num_step(run_dir):
         assert max(r[f"{name}/step"] for r in metrics(run_dir) if f"{name}/step" in r) == STEPS
 
 
-class KillEngineAsThirdPushStarts(MultiLoRADriver):
+class KillEngineAsThirdPushStarts(MultiLoRALoop):
     """Fault injection: SIGKILL the engine just as a weight push starts (after the check for dead engines),
     so the push itself meets the dead engine."""
 

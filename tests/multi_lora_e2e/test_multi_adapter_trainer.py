@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
-from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.model import AdapterPlan
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer

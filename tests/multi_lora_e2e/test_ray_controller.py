@@ -8,9 +8,9 @@ import os
 import httpx
 import pytest
 
-from miles_runner.multi_lora.service import CONTROLLER_ACTOR, NAMESPACE, RayControllerService
+from miles_runner.executors.controller import CONTROLLER_ACTOR, NAMESPACE, RayControllerService
 from miles_runner.plan.record import read_plan
-from miles_runner.runtime.ports import port_is_free
+from miles_runner.procs.ports import port_is_free
 
 from .runs import events, metrics, plan_run, start_driver
 

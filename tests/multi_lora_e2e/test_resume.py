@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from miles_runner.loops.checkpoint import completed_steps
 from miles_runner.plan.record import read_plan
-from miles_runner.runtime.checkpoint import completed_steps
-from miles_runner.runtime.ports import port_is_free
+from miles_runner.procs.ports import port_is_free
 
 from .runs import events, metrics, plan_run, start_driver, wait_for
 

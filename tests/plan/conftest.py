@@ -11,7 +11,7 @@ from functools import cache
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.errors import PlanError, Problem
+from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 

@@ -7,7 +7,7 @@ GPUs), `derive` is called on the composed config directly.
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.lora.targets import MLA_KV, MLA_Q, STANDARD_LINEAR
+from miles_runner.core.targets import MLA_KV, MLA_Q, STANDARD_LINEAR
 from miles_runner.plan.derive import derive, min_groups_per_dp_split
 
 TINY = ("+recipe=tiny_lora_agentic",)  # cpu, colocated, session v1, in_place, tiny MoE

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.errors import PlanError
+from miles_runner.core.errors import PlanError
 from miles_runner.plan.compile import compile_plan
 
 BAD = ["+recipe=qwen3_30b_a3b_r3_session", "pause_generation_mode=abort", "topology=disaggregated",

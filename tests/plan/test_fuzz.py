@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from miles_runner.config.compose import CONF_DIR, RECIPES_DIR, compose
-from miles_runner.errors import PlanError
+from miles_runner.core.errors import PlanError
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 

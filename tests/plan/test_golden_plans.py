@@ -64,5 +64,5 @@ def test_multi_lora_math_has_three_adapters_in_slots():
 def test_embedded_and_sglang_engines_share_one_argv_shape():
     embedded = compile_plan(compose(["+recipe=tiny_lora_agentic"])).engines[0].launch.argv
     flags = [a for a in embedded if a.startswith("--")]
-    assert embedded[:3] == ["python", "-m", "miles_runner.engine.embedded"]
+    assert embedded[:3] == ["python", "-m", "miles_runner.embedded_engine"]
     assert {"--model-path", "--port", "--enable-lora", "--max-lora-rank", "--lora-target-modules"} <= set(flags)

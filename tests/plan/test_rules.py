@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from miles_runner.errors import PlanError, Problem
+from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.rules import PRECONDITIONS, RULES
 
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from miles_runner.config.compose import CONF_DIR
-from miles_runner.engine.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import ensure_tiny_model
 
 
 @pytest.mark.parametrize(("option", "name"), [("tiny_moe", "tiny-moe"), ("tiny_dense", "tiny-dense")])

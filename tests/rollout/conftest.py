@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from miles_runner.engine.tiny_model import ensure_tiny_model
+    from miles_runner.models.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model("tiny-moe"))
 

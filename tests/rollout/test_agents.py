@@ -1,8 +1,8 @@
 """The guess-number agent loop: reply, environment feedback, repeat until the episode ends."""
 
-from miles_runner.rollout.agents import feedback_loop
-from miles_runner.rollout.rewards import guess_number
-from miles_runner.rollout.tasks import GuessNumberTask
+from miles_runner.plugins.agents import feedback_loop
+from miles_runner.plugins.rewards import guess_number
+from miles_runner.plugins.tasks import GuessNumberTask
 
 
 def _scripted(replies):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from miles_runner.rollout.plugins import get_reward, make_task
-from miles_runner.rollout.tasks import Prompt, toy_task_names
+from miles_runner.plugins.lookup import get_reward, make_task
+from miles_runner.plugins.tasks import Prompt, toy_task_names
 
 
 def write_rows(path, rows):

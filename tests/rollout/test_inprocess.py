@@ -2,8 +2,8 @@
 
 import torch
 
+from miles_runner.plugins.lookup import get_reward, make_task
 from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
-from miles_runner.rollout.plugins import get_reward, make_task
 
 
 def _samples(model, tokenizer, task_name, reward_name, n_prompts, n, settings):

@@ -2,8 +2,8 @@
 
 import random
 
-from miles_runner.rollout.plugins import make_task
-from miles_runner.rollout.pretrain import pretrain_format, random_transcript, transcript_tokens
+from miles_runner.models.format_pretrain import pretrain_format, random_transcript, transcript_tokens
+from miles_runner.plugins.lookup import make_task
 
 
 def test_random_transcript_plays_the_environment_until_it_ends():
@@ -24,7 +24,7 @@ def test_only_assistant_replies_and_their_end_token_are_trained(tokenizer):
 
 
 def test_pretraining_lowers_the_loss_and_rewrites_the_weights(tmp_path):
-    from miles_runner.engine.tiny_model import build_tiny_model
+    from miles_runner.models.tiny_model import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "m", seed=0)
     before = (folder / "model.safetensors").read_bytes()

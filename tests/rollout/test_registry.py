@@ -2,8 +2,8 @@
 
 import pytest
 
-from miles_runner.rollout.plugins import get_agent, get_reward, make_task, registered
-from miles_runner.rollout.registry import PluginError, Registry
+from miles_runner.plugins.lookup import get_agent, get_reward, make_task, registered
+from miles_runner.plugins.registry import PluginError, Registry
 
 
 def test_shipped_plugins_cover_the_names_the_configs_use():

@@ -1,7 +1,7 @@
 """Rewards are pure functions of the prompt and the assistant's replies."""
 
-from miles_runner.rollout.rewards import exact_match, guess_number
-from miles_runner.rollout.tasks import Prompt
+from miles_runner.plugins.rewards import exact_match, guess_number
+from miles_runner.plugins.tasks import Prompt
 
 PROMPT = Prompt(0, [{"role": "user", "content": "q"}], "12", {"max_turns": 3})
 

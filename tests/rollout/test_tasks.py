@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from miles_runner.rollout.plugins import make_task
-from miles_runner.rollout.tasks import GuessNumberTask, PromptStream, first_number, toy_task_names
+from miles_runner.plugins.lookup import make_task
+from miles_runner.plugins.tasks import GuessNumberTask, PromptStream, first_number, toy_task_names
 
 
 @pytest.mark.parametrize("name", toy_task_names())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.runtime.ports import free_port, free_port_block
+from miles_runner.procs.ports import free_port, free_port_block
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def run_args(output_root: Path, steps: int, *extra: str) -> list[str]:
 
 def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.Popen([sys.executable, "-m", "miles_runner.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "miles_runner.cli.main", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -65,7 +65,7 @@ def test_final_adapter_loads_in_peft_and_differs_from_the_base(finished_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from miles_runner.engine.tiny_model import ensure_tiny_model
+    from miles_runner.models.tiny_model import ensure_tiny_model
 
     base = AutoModelForCausalLM.from_pretrained(ensure_tiny_model("tiny-moe"))
     ids = torch.tensor([[1, 2, 3, 4, 5]])
@@ -77,11 +77,11 @@ def test_final_adapter_loads_in_peft_and_differs_from_the_base(finished_run):
 def test_final_adapter_is_served_by_the_engine_from_lora_paths(finished_run, tmp_path):
     import httpx
 
-    from miles_runner.engine.launch import start_engine
-    from miles_runner.engine.tiny_model import ensure_tiny_model
+    from miles_runner.models.tiny_model import ensure_tiny_model
+    from miles_testkit.launch import start_engine
 
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.engine.embedded", "--model-path", str(ensure_tiny_model("tiny-moe")),
+    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(ensure_tiny_model("tiny-moe")),
             "--port", str(port), "--lora-paths", f"trained={finished_run / 'adapter'}"]
     engine = start_engine(argv, port=port, log_path=tmp_path / "engine.log", timeout_s=120)
     try:
@@ -130,7 +130,7 @@ def test_async_driver_overlaps_generation_and_trains_one_version_stale(tmp_path)
 
 
 def test_staleness_beyond_the_bound_is_rejected():
-    from miles_runner.runtime.driver import StaleSamplesError, check_staleness
+    from miles_runner.loops.single_adapter import StaleSamplesError, check_staleness
     from miles_runner.session.samples import Sample, SampleStatus
 
     sample = Sample([1, 2], 1, [1], [0.0], None, SampleStatus.COMPLETED, weight_versions=["3"])

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from miles_runner.engine.router import ensure_worker
-from miles_runner.runtime.local import EngineLostError, LocalExecutor
+from miles_runner.executors.local import EngineLostError, LocalExecutor
 
 from .test_local_executor import tiny_plan, wait_gone
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.runtime.driver import FAULT_FREEZE_ROLLOUT_ADAPTER
-from miles_runner.runtime.ports import free_port
+from miles_runner.loops.single_adapter import FAULT_FREEZE_ROLLOUT_ADAPTER
+from miles_runner.procs.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 WINDOW = 10
@@ -25,7 +25,7 @@ def run_default_recipe(root: Path, *, fault: bool) -> list[float]:
     env = {**os.environ, "WANDB_MODE": "disabled", FAULT_FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
     args = ["+recipe=tiny_lora_agentic", f"run.output_root={root}", "logger=none",
             f"engine.base_port={free_port()}", f"session.port={free_port()}"]
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli", *args], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=880)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [metrics] = root.rglob("metrics.jsonl")

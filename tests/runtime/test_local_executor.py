@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
+from miles_runner.executors.local import LocalExecutor, PortBusyError
 from miles_runner.plan.compile import compile_plan
-from miles_runner.runtime.local import LocalExecutor, PortBusyError
-from miles_runner.runtime.ports import free_port, free_port_block
-from miles_runner.runtime.process import ProcessStartError
+from miles_runner.procs.ports import free_port, free_port_block
+from miles_runner.procs.process import ProcessStartError
 
 
 def pid_alive(pid: int) -> bool:
@@ -76,13 +76,13 @@ def test_a_component_failing_to_start_stops_the_ones_already_running(tmp_path):
     with pytest.raises(ProcessStartError, match="exit code 3"):
         executor.start()
     engine_log = (tmp_path / "logs" / "engine0.log").read_text()
-    assert "miles_runner.engine.embedded" in engine_log
+    assert "miles_runner.embedded_engine" in engine_log
     assert executor.group.processes == ()
     assert not port_in_use(plan.engines[0].launch.port)
 
 
 def port_in_use(port: int) -> bool:
-    from miles_runner.runtime.ports import port_is_free
+    from miles_runner.procs.ports import port_is_free
 
     return not port_is_free("127.0.0.1", port)
 
@@ -92,7 +92,7 @@ DRIVER = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     from miles_runner.plan.record import read_plan
-    from miles_runner.runtime.local import LocalExecutor
+    from miles_runner.executors.local import LocalExecutor
     with LocalExecutor(read_plan(sys.argv[1]), Path(sys.argv[2]), startup_timeout_s=180) as deployment:
         print(json.dumps([p.pid for p in deployment.processes]), flush=True)
         time.sleep(600)

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
+from miles_runner.executors.ray import RayExecutor
 from miles_runner.plan.compile import compile_plan
-from miles_runner.runtime.ports import free_port, port_is_free
-from miles_runner.runtime.ray_executor import RayExecutor
+from miles_runner.procs.ports import free_port, port_is_free
 
 pytestmark = pytest.mark.slow
 

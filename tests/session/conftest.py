@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from miles_runner.engine.tiny_model import ensure_tiny_model
+    from miles_runner.models.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model("tiny-moe")
 

@@ -14,9 +14,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from miles_runner.engine.launch import start_engine
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ManagedProcess
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ManagedProcess
+from miles_testkit.launch import start_engine
 
 # The random tiny model rarely emits <|im_end|>; stopping on every even token id ends most turns with
 # finish_reason "stop" after a few tokens (a turn cut by max_tokens is TRUNCATED and ends sample merging).
@@ -45,7 +45,7 @@ def make_test_adapter(model_dir: Path, out_dir: Path) -> Path:
 def start_embedded_engine(model_dir: Path, adapter_dir: Path, log_dir: Path) -> tuple[ManagedProcess, str]:
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.engine.embedded",
+        sys.executable, "-m", "miles_runner.embedded_engine",
         "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--enable-return-routed-experts", "--enable-lora",
         "--lora-paths", f"{ADAPTER_NAME}={adapter_dir}", f"{SLOT_NAME}={adapter_dir}",

@@ -5,8 +5,8 @@ import sys
 import httpx
 import pytest
 
-from miles_runner.runtime.ports import free_port
-from miles_runner.runtime.process import ManagedProcess
+from miles_runner.procs.ports import free_port
+from miles_runner.procs.process import ManagedProcess
 from miles_runner.session.server import build_parser, config_from_args
 
 

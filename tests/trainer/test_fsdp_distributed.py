@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_runner.runtime.ports import LOOPBACK, free_port
+from miles_runner.procs.ports import LOOPBACK, free_port
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from miles_runner.loops.inprocess import LocalRunConfig, LocalRunResult, run_local_grpo
 from miles_runner.plan.model import AdapterPlan
 from miles_runner.rollout.inprocess import SamplingSettings
-from miles_runner.trainer.local_loop import LocalRunConfig, LocalRunResult, run_local_grpo
 
 STEPS = 80
 MARGIN = 0.15  # last-5 over first-5 mean reward; measured: 0.186 -> 0.487 (bench/REPORT.md, case count)
@@ -16,7 +16,7 @@ NOISE = 0.08  # rollouts from the base model: the same windows must stay within 
 
 @pytest.fixture(scope="module")
 def pretrained_model_path() -> str:
-    from miles_runner.rollout.pretrain import ensure_format_pretrained
+    from miles_runner.models.format_pretrain import ensure_format_pretrained
 
     return str(ensure_format_pretrained("tiny-moe"))
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from miles_runner.config.compose import compose
-from miles_runner.lora.naming import slot_lora_name
+from miles_runner.core.adapters import slot_lora_name
+from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import AdapterPlan, Plan
 from miles_runner.plan.record import write_run_record
-from miles_runner.rollout.pretrain import ensure_format_pretrained
-from miles_runner.runtime.ports import free_port
+from miles_runner.procs.ports import free_port
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.ranks import RankedTrainer, build_trainer, make_trainer
 

@@ -1,0 +1,66 @@
+"""The one pipeline every entry point runs: composed config -> plan -> run record -> (execute).
+
+`miles-run` (a run, `--plan`, each point of a sweep) and the Hydra job of a multirun both go through
+`record_plan` and `execute`, so a plan is compiled, saved and printed the same way whichever started it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from miles_runner.config.compose import ComposedConfig
+from miles_runner.core.errors import PlanError, Problem
+from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.model import Plan
+from miles_runner.plan.record import read_plan, write_run_record
+from miles_runner.plan.summary import summarize
+
+
+def plan_and_record(composed: ComposedConfig, run_dir: Path, argv: list[str]) -> Plan:
+    """Compile the plan (PlanError lists every problem), save the run record, print the summary."""
+    plan = compile_plan(composed)
+    record_plan(composed, plan, run_dir, argv)
+    return plan
+
+
+def record_plan(composed: ComposedConfig, plan: Plan, run_dir: Path, argv: list[str]) -> None:
+    plan_path = write_run_record(run_dir, composed, plan, argv)
+    print(summarize(plan, str(plan_path)))
+
+
+def resumed_plan(run_dir: Path, compiled: Plan) -> Plan:
+    """A resumed run executes the plan it saved; a different freshly compiled plan is reported, not used."""
+    saved = read_plan(run_dir / "plan.yaml")
+    if saved != compiled:
+        print(f"miles-run: resuming {run_dir} with its saved plan (the config now compiles to a different one)",
+              file=sys.stderr)
+    print(summarize(saved, str(run_dir / "plan.yaml")))
+    return saved
+
+
+def resume_dir(output_root: str, name: str, explicit: str) -> Path | None:
+    """run.dir, else the newest run folder under output_root whose saved plan has this name."""
+    if explicit:
+        folder = Path(explicit)
+        if not (folder / "plan.yaml").exists():
+            raise PlanError([Problem("resume-needs-a-run-folder", [(f"run.dir={explicit}", "command line")],
+                                     "That folder holds no plan.yaml of an earlier run.", "")])
+        return folder
+    candidates = sorted(Path(output_root).glob("*/*/plan.yaml"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for plan_file in candidates:
+        if yaml.safe_load(plan_file.read_text()).get("name") == name:
+            return plan_file.parent
+    return None
+
+
+def execute(plan: Plan, run_dir: Path, *, resume: bool = False) -> int:
+    """Run the plan: the executor starts its servers, the loop trains, everything is stopped at the end."""
+    # Imported here, not at the top: the loops pull in torch, ray and transformers, which planning never needs.
+    from miles_runner.loops.run import run_plan
+
+    run_plan(plan, run_dir, resume=resume)
+    print(f"run folder: {run_dir}")
+    return 0

@@ -1,0 +1,255 @@
+"""The torch side of the embedded engine: one HF causal LM, batched forwards, LoRA adapters, expert routing.
+
+- Forwards are ragged (``ragged_batch``): rows with different cache lengths and new-token counts share one
+  pass; each row keeps its own KV cache between steps, so requests join and leave between any two steps.
+- Routing: a forward hook on every MoE router (``mlp.gate``) records the top-k expert ids it chose for
+  every token; dense layers read 0, like SGLang's zero-initialised capture buffer.
+- LoRA: adapters live in one ``peft.PeftModel``; a batch mixes adapters through peft's ``adapter_names``
+  (``"__base__"`` = no adapter). Adapters that wrap parameters (``target_parameters``, e.g. MoE experts)
+  cannot mix in one pass, so while one is loaded each adapter's rows run as their own pass.
+- Only the scheduler's worker thread calls into this class, so no locking is needed here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from miles_runner.embedded_engine.ragged_batch import RaggedLayout
+
+logger = logging.getLogger(__name__)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+# peft needs at least one adapter to keep its wrapper alive; this one is zero-initialised and never selected.
+PLACEHOLDER_ADAPTER = "__embedded_placeholder__"
+BASE_ADAPTER = "__base__"
+
+
+@dataclass
+class RowInput:
+    cache: KVCache | None
+    cache_len: int
+    new_tokens: list[int]
+    adapter: str | None
+    all_logits: bool = False  # keep logits for every new token (prompt logprobs), not only the last
+
+
+@dataclass
+class RowOutput:
+    logits: torch.Tensor  # (n_new, vocab) when all_logits, else (1, vocab)
+    cache: KVCache
+    routing: np.ndarray | None  # (n_new, num_layers, top_k) int32, None for a dense model
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, enable_lora: bool, lora_target_modules: list[str] | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = model_path
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+        text_config = self.config.get_text_config()
+        self.num_layers: int = text_config.num_hidden_layers
+        self.num_kv_heads: int = text_config.num_key_value_heads
+        self.head_dim: int = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        self.vocab_size: int = text_config.vocab_size
+        self.top_k: int = int(getattr(text_config, "num_experts_per_tok", 0) or 0)
+        self._routing_capture: dict[int, torch.Tensor] = {}
+        self.moe_layers = self._hook_routers()
+        self.peft = self._wrap_for_lora(lora_target_modules) if enable_lora else None
+
+    # ----- routing capture -------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers) and self.top_k > 0
+
+    def _hook_routers(self) -> list[int]:
+        layers = []
+        for index, layer in enumerate(self.model.model.layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and hasattr(gate, "top_k"):
+                gate.register_forward_hook(self._make_router_hook(index))
+                layers.append(index)
+        return layers
+
+    def _make_router_hook(self, layer_index: int):
+        def hook(_module, _inputs, output):
+            # Qwen3-MoE's router returns (logits, top-k weights, top-k indices), indices sorted by weight.
+            self._routing_capture[layer_index] = output[2].detach()
+
+        return hook
+
+    def _routing_for_batch(self, batch: int, width: int) -> np.ndarray | None:
+        if not self.is_moe:
+            return None
+        routing = np.zeros((batch, width, self.num_layers, self.top_k), dtype=np.int32)
+        for layer, indices in self._routing_capture.items():
+            routing[:, :, layer, :] = indices.reshape(batch, width, self.top_k).numpy()
+        self._routing_capture.clear()
+        return routing
+
+    # ----- forward -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, rows: list[RowInput], pad_id: int) -> list[RowOutput]:
+        """Run the rows, grouped so that each group is one forward pass."""
+        outputs: dict[int, RowOutput] = {}
+        for group in self._forward_groups(rows):
+            for index, out in zip(group, self._forward_group([rows[i] for i in group], pad_id), strict=True):
+                outputs[index] = out
+        return [outputs[i] for i in range(len(rows))]
+
+    def _forward_groups(self, rows: list[RowInput]) -> list[list[int]]:
+        if self.peft is None or self._adapters_mix_in_one_pass():
+            return [list(range(len(rows)))]
+        by_adapter: dict[str | None, list[int]] = {}
+        for index, row in enumerate(rows):
+            by_adapter.setdefault(row.adapter, []).append(index)
+        return list(by_adapter.values())
+
+    def _forward_group(self, rows: list[RowInput], pad_id: int) -> list[RowOutput]:
+        from transformers import DynamicCache
+
+        layout = RaggedLayout([r.cache_len for r in rows], [len(r.new_tokens) for r in rows])
+        stacked = layout.stack_cache([r.cache for r in rows], self.num_layers, (self.num_kv_heads, self.head_dim))
+        cache = DynamicCache(ddp_cache_data=stacked)
+        kwargs = dict(
+            input_ids=layout.input_ids([r.new_tokens for r in rows], pad_id),
+            position_ids=layout.position_ids(),
+            attention_mask=layout.attention_mask(),
+            cache=cache,
+            use_cache=True,
+        )
+        logits = self._call_model([r.adapter for r in rows], kwargs).logits
+        routing = self._routing_for_batch(len(rows), layout.new_width)
+        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        outputs = []
+        for index, row in enumerate(rows):
+            row_logits = layout.new_rows(logits, index) if row.all_logits else logits[index, -1:]
+            row_routing = layout.new_rows(routing, index) if routing is not None else None
+            outputs.append(RowOutput(row_logits, layout.split_cache(layer_kv, index), row_routing))
+        return outputs
+
+    def _call_model(self, adapters: list[str | None], kwargs: dict):
+        if self.peft is None:
+            return self.model(**kwargs)
+        if self._adapters_mix_in_one_pass():
+            # PeftModel.forward routes each row through its own adapter via peft's mixed-batch hooks.
+            return self.peft(**kwargs, adapter_names=[a or BASE_ADAPTER for a in adapters])
+        # One adapter per pass; the zero placeholder stands in for "no adapter".
+        self.peft.set_adapter(adapters[0] or PLACEHOLDER_ADAPTER)
+        return self.peft(**kwargs)
+
+    # ----- LoRA --------------------------------------------------------------------------------------------
+    def _wrap_for_lora(self, target_modules: list[str] | None):
+        from peft import LoraConfig, get_peft_model
+
+        targets = [m for m in (target_modules or []) if m != "all"] or ["q_proj"]
+        placeholder = LoraConfig(r=1, lora_alpha=1, target_modules=targets, init_lora_weights=True)
+        return get_peft_model(self.model, placeholder, adapter_name=PLACEHOLDER_ADAPTER).eval()
+
+    def _adapters_mix_in_one_pass(self) -> bool:
+        from peft.tuners.lora.layer import ParamWrapper
+
+        return not any(isinstance(m, ParamWrapper) for m in self.peft.modules())
+
+    def load_adapter_from_path(self, name: str, path: str) -> None:
+        self._require_lora().load_adapter(path, adapter_name=name, is_trainable=False)
+        self.peft.eval()
+
+    def load_adapter_from_tensors(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        peft = self._require_lora()
+        peft.add_adapter(name, _inference_lora_config(config_dict))
+        try:
+            result = set_peft_model_state_dict(peft, tensors, adapter_name=name)
+        except Exception as exc:  # shapes that do not fit the config: the request's fault, a 400
+            peft.delete_adapter(name)
+            raise ValueError(f"adapter tensors do not match the config: {exc}") from exc
+        missing = [k for k in result.missing_keys if f".{name}." in k or k.endswith(f".{name}")]
+        if missing or result.unexpected_keys:
+            peft.delete_adapter(name)
+            raise ValueError(
+                f"adapter tensors do not match the config: missing {missing[:4]}, "
+                f"unexpected {list(result.unexpected_keys)[:4]}"
+            )
+        peft.eval()
+
+    def replace_adapter_weights(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite a loaded adapter's weights in place (an upsert): same tensor names, shapes and scaling,
+        checked before anything is written, so a refused upsert leaves the adapter as it was."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        peft = self._require_lora()
+        if name not in peft.peft_config:
+            raise ValueError(f"LoRA adapter {name} is not loaded; it cannot be updated in place")
+        if _scaling_fields(peft.peft_config[name]) != _scaling_fields(_inference_lora_config(config_dict)):
+            raise ValueError(f"an in-place update cannot change the r, lora_alpha or use_rslora of adapter {name}")
+        current = get_peft_model_state_dict(peft, adapter_name=name)
+        given = {key: tuple(t.shape) for key, t in tensors.items()}
+        expected = {key: tuple(t.shape) for key, t in current.items()}
+        if given != expected:
+            differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
+            raise ValueError(f"tensors for an in-place update of {name} differ in names or shapes: {differ}")
+        set_peft_model_state_dict(peft, tensors, adapter_name=name)
+
+    def unload_adapter(self, name: str) -> None:
+        self._require_lora().delete_adapter(name)
+
+    def _require_lora(self):
+        if self.peft is None:
+            raise ValueError("LoRA is not enabled; start the engine with --enable-lora")
+        return self.peft
+
+    # ----- base weights ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
+        """Copy HF-named base weights into the model (LoRA-wrapped modules included); return how many."""
+        params = dict(self.model.named_parameters())
+        resolved = {}
+        for name, tensor in named_tensors.items():
+            target = params.get(name)
+            if target is None:
+                target = params.get(_base_layer_name(name))
+            if target is None:
+                raise ValueError(f"unknown parameter {name!r} for this model")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name}: model {tuple(target.shape)}, got {tuple(tensor.shape)}")
+            resolved[name] = target
+        for name, target in resolved.items():
+            target.copy_(named_tensors[name].to(target.dtype))
+        return len(resolved)
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        from transformers import AutoModelForCausalLM
+
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model path {model_path} is not a directory")
+        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return self.update_weights(dict(fresh.named_parameters()))
+
+
+def _inference_lora_config(config_dict: dict):
+    from peft import LoraConfig
+
+    config = LoraConfig(**{k: v for k, v in config_dict.items() if k in LoraConfig.__dataclass_fields__})
+    config.inference_mode = True
+    return config
+
+
+def _scaling_fields(config) -> tuple:
+    return config.r, config.lora_alpha, config.use_rslora
+
+
+def _base_layer_name(name: str) -> str:
+    """``a.b.q_proj.weight`` -> ``a.b.q_proj.base_layer.weight`` (the name once peft wraps the module)."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}.base_layer.{leaf}"

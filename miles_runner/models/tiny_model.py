@@ -1,0 +1,209 @@
+"""Deterministic tiny Hugging Face models for CPU runs and tests; never a hub download.
+
+Two shapes, both saved as ordinary HF model folders (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja):
+
+- ``tiny-moe``: a Qwen3-MoE causal LM (2 layers, hidden 64, 8 experts, top-2) whose routers give real
+  per-token expert choices (R3 routing replay).
+- ``tiny-dense``: a Qwen3 dense causal LM of the same width.
+
+The tokenizer is a byte-level BPE trained here on a small embedded corpus (digits, arithmetic, chat words,
+answer formats), about 400 tokens, with ChatML special tokens and a chat template that honours
+``add_generation_prompt``. Weights use ``initializer_range`` 0.1 (larger than usual) so that a LoRA adapter
+can steer the model within a few RL steps.
+
+Public API (other components rely on it):
+- ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1) -> Path`` writes one folder.
+- ``ensure_tiny_model(name="tiny-moe", cache_dir=None, seed=0) -> Path`` returns the cached folder
+  ``<repo>/.cache/models/<name>-seed<seed>``, building it when missing or incomplete. Builds go to a temp
+  folder that is renamed into place, so a crash never leaves a half model.
+- CLI: ``python -m miles_runner.models.tiny_model DIR [--dense] [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense")
+# Bump when the builder's output changes, so cached folders are rebuilt.
+BUILDER_VERSION = 1
+COMPLETE_MARKER = "tiny_model.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOKENIZER_VOCAB_SIZE = 400
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_CHAT_LINES = """\
+You are a helpful assistant.
+Hello! How can I help you today?
+Please answer the question. Think step by step, then give the final answer.
+What is the answer? The answer is 42.
+Answer: 7
+The final answer is 12.
+#### 15
+<answer>9</answer>
+Compute the sum of the numbers. Add them together.
+What is 3 plus 4? 3 + 4 = 7. So the answer is 7.
+What is 9 minus 2? 9 - 2 = 7.
+What is 6 times 7? 6 * 7 = 42.
+What is 8 divided by 2? 8 / 2 = 4.
+Let me think. First, I add the tens, then the ones.
+The user asks a question and the assistant answers it.
+Thank you! You are welcome. Goodbye.
+Sure, here is the result: 100.
+Count from one to ten: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10.
+Is the number even or odd? The number is even.
+Yes. No. Maybe. Correct. Wrong. Try again.
+system user assistant tool function call result
+The weather is nice today, and the sky is blue.
+Write a short story about a cat and a dog.
+Reply with a single number.
+"""
+
+
+def training_corpus() -> list[str]:
+    """The embedded tokenizer corpus: chat phrases plus every small sum, difference and product."""
+    lines = _CHAT_LINES.splitlines()
+    for a in range(13):
+        for b in range(13):
+            lines.append(f"{a} + {b} = {a + b}. {a} * {b} = {a * b}. {a + b} - {b} = {a}.")
+    lines += [f"The answer is {n}. Answer: {n}" for n in range(0, 200, 7)]
+    return lines
+
+
+def build_tokenizer(out_dir: Path) -> int:
+    """Train the byte-level BPE tokenizer, save it with the chat template; return the vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(out_dir)
+    return len(wrapped)
+
+
+def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, init_std: float):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        bos_token_id=None,
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+    )
+    if dense:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**common, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def build_tiny_model(out_dir: str | Path, *, dense: bool = False, seed: int = 0, init_std: float = 0.1) -> Path:
+    """Write a complete tiny model folder (weights, config, tokenizer, chat template) to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(out)
+    token_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = _model_config(vocab_size, token_ids, dense=dense, init_std=init_std)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+        pad_token_id=token_ids["<|endoftext|>"],
+    )
+    model.save_pretrained(out)
+    marker = {"builder_version": BUILDER_VERSION, "dense": dense, "seed": seed, "init_std": init_std}
+    (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    return out
+
+
+def _is_complete(folder: Path, *, dense: bool, seed: int) -> bool:
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    recorded = json.loads(marker.read_text())
+    return (
+        recorded.get("builder_version") == BUILDER_VERSION
+        and recorded.get("dense") == dense
+        and (recorded.get("seed") == seed)
+    )
+
+
+def ensure_tiny_model(name: str = "tiny-moe", cache_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Return the cached tiny model folder, building it (atomically, via rename) when missing or stale."""
+    if name not in TINY_MODEL_NAMES:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODEL_NAMES)}")
+    dense = name == "tiny-dense"
+    root = Path(cache_dir) if cache_dir is not None else REPO_ROOT / ".cache" / "models"
+    target = root / f"{name}-seed{seed}"
+    if _is_complete(target, dense=dense, seed=seed):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        build_tiny_model(staging, dense=dense, seed=seed)
+        if target.exists() and not _is_complete(target, dense=dense, seed=seed):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished the same build first; its folder is as good as ours.
+            if not _is_complete(target, dense=dense, seed=seed):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a deterministic tiny HF model folder.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dense", action="store_true", help="dense Qwen3 instead of Qwen3-MoE")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.out_dir, dense=args.dense, seed=args.seed, init_std=args.init_std)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
