@@ -1,5 +1,5 @@
 """GPU check: real SGLang serving the tiny MoE model, driven through the same EngineClient contract as the CPU
-contract tests (miles_testkit/contract.py), with LoRA and routed experts on.
+contract tests (miles_testkit/contract/), with LoRA and routed experts on.
 
     python scripts/gpu_check_sglang.py [--work-dir DIR] [--start-timeout-s 600] [--only CHECK ...]
 

@@ -1,4 +1,4 @@
-"""The EngineClient contract (miles_testkit/contract.py) against the embedded engine: one test per
+"""The EngineClient contract (miles_testkit/contract/) against the embedded engine: one test per
 protocol behaviour. scripts/gpu_check_sglang.py runs the same checks against real SGLang."""
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.executors.local import LocalExecutor, PortBusyError
+from miles_runner.executors.local import LocalExecutor
 from miles_runner.plan.compile import compile_plan
+from miles_runner.procs.launch import PortBusyError
 from miles_runner.procs.ports import free_port, free_port_block
 from miles_runner.procs.process import ProcessStartError
 

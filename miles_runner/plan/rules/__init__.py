@@ -1,0 +1,30 @@
+"""Every cross-field rule, each a small function over the config and its derived values.
+
+A rule yields Findings: the keys involved (dotted paths; the compiler shows each with its value and origin),
+why the combination cannot work, and an override that fixes it. compile_plan runs all of them and reports
+every finding at once. Rule ids are stable: tests and users refer to them.
+
+Modules, one per section, in the order their rules run:
+    base             Finding, the `rule` decorator, the RULES and PRECONDITIONS registries, shared key names
+    sizes            counts are at least 1 (or 0): a precondition
+    session          the session server and its pause mode (spec §1.2 rules 1-6)
+    fully_async      fully-async rollout and the async driver (rules 7-8)
+    offload          training offload and optimizer storage (rules 9-15)
+    weight_transfer  weight-transfer modes (rules 16-17)
+    lora             LoRA modes and target modules (rules 18-25)
+    multi_lora       multi-LoRA slots and per-adapter settings (rules 26-29)
+    plugins          registered tasks, rewards and agents, and their data files
+    routing_replay   routing and indexer replay
+    cluster          what a cpu-only or GPU cluster can run, and the trainer's size
+    arithmetic       parallel groups, engine placement and memory, batch splits, ports
+"""
+
+# Imported for their @rule registrations. Import order is registration order, which is the order problems are
+# printed in (tests and golden outputs check it): sorting these imports would reorder every report.
+# isort: off
+from miles_runner.plan.rules import sizes, session, fully_async, offload, weight_transfer, lora  # noqa: F401
+from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic  # noqa: F401
+# isort: on
+from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
+
+__all__ = ["PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]

@@ -1,0 +1,47 @@
+"""Training offload and optimizer storage, and what each leaves out for LoRA (spec §1.2 rules 9-15)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from miles_runner.config.schema import MilesConfig
+from miles_runner.plan.derive import Derived
+from miles_runner.plan.rules.base import ADAPTERS, BACKEND, Finding, rule
+
+
+@rule("disk-offload-needs-megatron")
+def disk_offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.offload_target != "disk":
+        return
+    if cfg.trainer.backend != "megatron":
+        yield Finding(
+            ("trainer.offload_target", BACKEND),
+            "Offloading training state to disk is implemented by the Megatron backend only.",
+            "trainer.offload_target=cpu",
+        )
+    if not d.offload_train:
+        yield Finding(
+            ("trainer.offload_target", "topology.offload_train"),
+            "A disk offload target needs training offload to be on.",
+            "topology.offload_train=true",
+        )
+
+
+@rule("streamed-optimizer-state-rejects-lora")
+def streamed_optimizer_state_rejects_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.stream_optimizer_state_to_disk and d.lora_enabled:
+        yield Finding(
+            ("trainer.stream_optimizer_state_to_disk", ADAPTERS),
+            "The LoRA checkpoint saves the optimizer state, which the disk stream leaves empty.",
+            "trainer.stream_optimizer_state_to_disk=false",
+        )
+
+
+@rule("rematerialize-rejects-lora")
+def rematerialize_rejects_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.rematerialize_param_from_master_weight and d.lora_enabled:
+        yield Finding(
+            ("trainer.rematerialize_param_from_master_weight", ADAPTERS),
+            "Rematerializing parameters from master weights is not implemented for LoRA adapters.",
+            "trainer.rematerialize_param_from_master_weight=false",
+        )
