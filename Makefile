@@ -8,8 +8,11 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Built tiny models: one cache in the checkout (git-ignored) that every test, run and CI job reuses; an
+# installed miles-run defaults to ~/.cache/miles-runner.
+export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast lint bench clean
+.PHONY: install run plan test test-fast lint layers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,14 +30,18 @@ run: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
-test: $(STAMP)
+test: layers
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: layers
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: layers
 	$(BIN)/ruff check .
+
+# The package's layers and no import circles (import-linter contracts in pyproject.toml, docs/ARCHITECTURE.md).
+layers: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.report import write_result
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.loops.inprocess import LocalRunConfig, LocalRunResult, run_local_grpo
-from miles_runner.plan.model import AdapterPlan
 from miles_runner.rollout.inprocess import SamplingSettings
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -54,7 +54,7 @@ def model_path(pretrained: bool) -> Path:
 
 
 def run_case(case: Case, steps: int) -> LocalRunResult:
-    adapter = AdapterPlan("miles_lora", "miles_lora", 8, 16.0, 0.0, ATTENTION, case.task, case.reward, case.lr,
+    adapter = AdapterSpec("miles_lora", "miles_lora", 8, 16.0, 0.0, ATTENTION, case.task, case.reward, case.lr,
                           case.prompts, case.samples)
     sampling = SamplingSettings(case.max_new_tokens, max_turns=case.max_turns)
     config = LocalRunConfig(str(model_path(case.pretrained)), adapter, sampling, steps,

@@ -18,7 +18,7 @@ _PLAN_ONLY = False
 def hydra_job(cfg) -> None:
     hc = HydraConfig.get()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
-    composed = from_composed(job_tree(cfg), choices, list(hc.overrides.task))
+    composed = from_composed(job_tree(cfg), choices, list(hc.overrides.task), list(hc.searchpath))
     run_dir = Path(hc.runtime.output_dir)
     plan = plan_and_record(composed, run_dir, list(hc.overrides.task))
     if not _PLAN_ONLY:

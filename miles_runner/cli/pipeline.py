@@ -15,7 +15,7 @@ from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
-from miles_runner.plan.record import read_plan, write_run_record
+from miles_runner.plan.record import new_run_dir, read_plan, write_run_record
 from miles_runner.plan.summary import summarize
 
 
@@ -41,12 +41,13 @@ def resumed_plan(run_dir: Path, compiled: Plan) -> Plan:
     return saved
 
 
-def resume_dir(output_root: str, name: str, explicit: str) -> Path | None:
-    """run.dir, else the newest run folder under output_root whose saved plan has this name."""
+def resume_dir(output_root: str, name: str, explicit: str, setting: str = "run.dir") -> Path | None:
+    """The explicit folder (run.dir, or hydra.run.dir), else the newest run folder under output_root whose
+    saved plan has this name."""
     if explicit:
         folder = Path(explicit)
         if not (folder / "plan.yaml").exists():
-            raise PlanError([Problem("resume-needs-a-run-folder", [(f"run.dir={explicit}", "command line")],
+            raise PlanError([Problem("resume-needs-a-run-folder", [(f"{setting}={explicit}", "command line")],
                                      "That folder holds no plan.yaml of an earlier run.", "")])
         return folder
     candidates = sorted(Path(output_root).glob("*/*/plan.yaml"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -54,6 +55,24 @@ def resume_dir(output_root: str, name: str, explicit: str) -> Path | None:
         if yaml.safe_load(plan_file.read_text()).get("name") == name:
             return plan_file.parent
     return None
+
+
+def run_to_resume(composed: ComposedConfig, name: str) -> Path | None:
+    """The folder of the earlier run this one continues, or None for a new run. With hydra.run.dir set, that
+    folder is the one to resume (run.resume=true)."""
+    run = composed.config.run
+    if composed.run_dir:
+        return resume_dir(run.output_root, name, composed.run_dir, "hydra.run.dir") if run.resume else None
+    return resume_dir(run.output_root, name, run.dir) if run.resume or run.dir else None
+
+
+def new_run_folder(composed: ComposedConfig) -> Path:
+    """hydra.run.dir exactly, when set; else run.output_root/DATE/TIME."""
+    if composed.run_dir:
+        folder = Path(composed.run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    return new_run_dir(composed.config.run.output_root)
 
 
 def execute(plan: Plan, run_dir: Path, *, resume: bool = False) -> int:

@@ -8,19 +8,34 @@ name the key and suggest the nearest valid one.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf, open_dict
+
+from miles_runner.config.hydra_settings import composed_setting_problems, user_run_dir
 from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass
 from miles_runner.config.provenance import COMMAND_LINE, Provenance, build_provenance, flatten
 from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
+from miles_runner.config.sources import (
+    ConfigSource,
+    config_sources,
+    group_names,
+    group_options,
+    missing_folder_problems,
+    searchpath_entries,
+)
 from miles_runner.core.errors import PlanError, Problem
+from miles_runner.core.paths import conf_dir, recipes_dir
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
-RECIPES_DIR = REPO_ROOT / "recipes"
+CONF_DIR = conf_dir()  # the shipped config folder (miles_runner/_resources/conf)
+RECIPES_DIR = recipes_dir()  # the shipped recipes (its `recipe` group)
 BASE_NAME = "miles_base"
 
 
@@ -30,57 +45,56 @@ class ComposedConfig:
     provenance: Provenance
     overrides: list[str]
     recipe: str | None
+    searchpath: tuple[str, ...] = ()  # hydra.searchpath: the user's config folders
+    run_dir: str = ""  # hydra.run.dir when the user set it: the run folder, exactly
 
 
-def config_groups() -> set[str]:
-    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-
-
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def config_groups(sources: Sequence[ConfigSource] = ()) -> set[str]:
+    return group_names(sources or config_sources())
 
 
 @cache
 def register_base() -> None:
     """Put the schema defaults into Hydra's ConfigStore as `miles_base` (a plain, untyped node)."""
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name=BASE_NAME, node=defaults_tree())
 
 
 def compose(overrides: list[str]) -> ComposedConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-
     register_base()
+    searchpath = searchpath_entries(overrides)
+    if problems := missing_folder_problems(searchpath):
+        raise PlanError(problems)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as exc:
-        raise PlanError([composition_problem(str(exc))]) from None
+        raise PlanError([composition_problem(str(exc), config_sources(searchpath))]) from None
+    if problems := composed_setting_problems(cfg, overrides):
+        raise PlanError(problems)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
-    return from_composed(job_tree(cfg), choices, overrides)
+    return from_composed(job_tree(cfg), choices, overrides, list(cfg.hydra.searchpath), user_run_dir(cfg))
 
 
 def job_tree(cfg: Any) -> dict[str, Any]:
     """The composed config as plain data, without Hydra's own node."""
-    from omegaconf import OmegaConf, open_dict
-
     with open_dict(cfg):
         cfg = cfg.copy()
         cfg.pop("hydra", None)
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def from_composed(tree: dict[str, Any], choices: dict[str, str], overrides: list[str]) -> ComposedConfig:
+def from_composed(
+    tree: dict[str, Any], choices: dict[str, str], overrides: list[str], searchpath: Sequence[str] = (),
+    run_dir: str = "",
+) -> ComposedConfig:
     """Validate a composed tree (from compose() or from a @hydra.main job) against the schema."""
-    provenance = build_provenance(CONF_DIR, choices, overrides, config_groups())
+    sources = config_sources(searchpath)
+    provenance = build_provenance(sources, choices, overrides, config_groups(sources))
     try:
         config = load_dataclass(MilesConfig, tree, CHOICES)
     except SchemaError as exc:
         raise PlanError([schema_problem(issue, provenance) for issue in exc.issues]) from None
-    return ComposedConfig(config, provenance, list(overrides), choices.get("recipe"))
+    return ComposedConfig(config, provenance, list(overrides), choices.get("recipe"), tuple(searchpath), run_dir)
 
 
 def schema_problem(issue: Any, provenance: Provenance) -> Problem:
@@ -102,7 +116,7 @@ _MISSING_RE = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 _MISSING_RECIPE_HINT = "miles-run --recipes lists them"
 
 
-def composition_problem(message: str) -> Problem:
+def composition_problem(message: str, sources: Sequence[ConfigSource] = ()) -> Problem:
     """Turn Hydra's composition error into a Problem with a did-you-mean."""
     if match := _OVERRIDE_RE.search(message):
         key = match.group(1)
@@ -113,7 +127,7 @@ def composition_problem(message: str) -> Problem:
                 f"adapter run {item.group(1)} does not set '{item.group(2)}' yet; a new field needs '++'.",
                 f"++{key}=...",
             )
-        known = list(flatten(defaults_tree())) + sorted(config_groups())
+        known = list(flatten(defaults_tree())) + sorted(config_groups(sources))
         hint = did_you_mean(key, known)
         return Problem(
             "unknown-key",
@@ -123,12 +137,7 @@ def composition_problem(message: str) -> Problem:
         )
     if match := _MISSING_RE.search(message):
         group, option = match.groups()
-        if group == "recipe":
-            options = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-        elif (CONF_DIR / group).is_dir():
-            options = group_options(group)
-        else:
-            options = []
+        options = group_options(sources or config_sources(), group)
         hint = did_you_mean(option, options) or "options: " + ", ".join(options)
         fix = f"{group}={hint.split(chr(39))[1]}" if hint.startswith("did") else ""
         if group == "recipe":

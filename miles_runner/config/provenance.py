@@ -6,11 +6,14 @@ files, the recipe file and the command-line overrides, applied in Hydra's order 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from miles_runner.config.sources import ConfigSource, find_option
 
 DEFAULT = "default"
 GROUP = "group option"
@@ -96,15 +99,21 @@ def split_override(text: str) -> tuple[str, str]:
     return key.lstrip("+~"), value
 
 
+def option_body(sources: Sequence[ConfigSource], group: str, option: str) -> tuple[str | None, dict[str, Any]]:
+    """The option file Hydra composed for `group=option`, from whichever config folder it came."""
+    path = find_option(sources, group, option)
+    return read_option_file(path) if path is not None else (None, {})
+
+
 def build_provenance(
-    conf_dir: Path, choices: dict[str, str], overrides: list[str], groups: set[str]
+    sources: Sequence[ConfigSource], choices: dict[str, str], overrides: list[str], groups: set[str]
 ) -> Provenance:
     cli = dict(split_override(o) for o in overrides)
     recipe = choices.get("recipe")
     recipe_defaults: dict[str, str] = {}
     recipe_values: dict[str, Any] = {}
     if recipe:
-        _, body = read_option_file(conf_dir / "recipe" / f"{recipe}.yaml")
+        _, body = option_body(sources, "recipe", recipe)
         for item in body.pop("defaults", []) or []:
             if isinstance(item, dict):
                 for key, option in item.items():
@@ -125,7 +134,7 @@ def build_provenance(
             choice_origins[group] = Origin(DEFAULT)
         if group == "recipe":
             continue
-        package, body = read_option_file(conf_dir / group / f"{choices[group]}.yaml")
+        package, body = option_body(sources, group, choices[group])
         for path in flatten(body, package or group):
             value_origins[path] = Origin(GROUP, f"{group}={choices[group]}")
             value_groups[path] = group

@@ -122,8 +122,9 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
-class AdapterRun:
-    """One adapter of a multi-LoRA run (spec §4.1). Unset values fall back to the `adapters.*` defaults."""
+class AdapterEntry:
+    """One entry of `adapters.runs`: an adapter of a multi-LoRA run (spec §4.1). Unset values fall back to the
+    `adapters.*` defaults."""
 
     name: str = ""
     task: str = "arith"
@@ -153,7 +154,7 @@ class AdaptersConfig:
     base_cpu_backup: bool = False
     experts_shared_outer: bool = False
     path: str = ""  # start from an existing adapter
-    runs: list[AdapterRun] = field(default_factory=list)
+    runs: list[AdapterEntry] = field(default_factory=list)
     max_slots: int = 0  # multi-LoRA slots on the engines; 0: one per configured run
     api_port: int = 8068
     idle_poll_s: float = 5.0

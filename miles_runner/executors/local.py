@@ -19,7 +19,7 @@ from types import TracebackType
 from miles_runner.engine.router import ensure_worker, wait_for_workers
 from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.models.tiny_model import ensure_tiny_model
-from miles_runner.plan.derive import parse_tiny_model
+from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.procs.launch import check_ports, launch_process
 from miles_runner.procs.ports import port_is_free
@@ -85,11 +85,15 @@ class LocalExecutor(Executor):
         check_ports(self.launches())
 
     def prepare_model(self) -> None:
-        """Build the tiny model the plan names, if that is what it names and it is not cached yet."""
+        """Build the tiny model the plan names, if that is what it names and it is not cached yet: in the cache
+        folder the plan was compiled with (a resumed run may have another MILES_CACHE_DIR now)."""
         if tiny := parse_tiny_model(self.plan.model.path):
             name, pretrained = tiny
-            build = ensure_format_pretrained if pretrained else ensure_tiny_model
-            built = build(name)
+            cache = Path(self.plan.model_path).parent
+            if pretrained:
+                built = ensure_format_pretrained(name, TINY_MODEL_SEED, cache)
+            else:
+                built = ensure_tiny_model(name, cache, TINY_MODEL_SEED)
             if str(built) != self.plan.model_path:
                 raise RuntimeError(f"tiny model built at {built}, but the plan expects {self.plan.model_path}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
-from miles_runner.plan.model import AdapterPlan
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.plugins.lookup import get_reward, make_task
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
@@ -26,7 +26,7 @@ from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 @dataclass(frozen=True)
 class LocalRunConfig:
     model_path: str
-    adapter: AdapterPlan  # task, reward, rank, alpha, targets, lr, prompts and samples per step
+    adapter: AdapterSpec  # task, reward, rank, alpha, targets, lr, prompts and samples per step
     sampling: SamplingSettings
     steps: int
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

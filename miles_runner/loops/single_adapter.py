@@ -76,7 +76,7 @@ class SingleAdapterLoop:
             stream.load_state_dict(meta["data"])
             start = meta["step"]
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
-        sync = make_sync(plan, engines, plan.adapters[0].lora_path)
+        sync = make_sync(plan, engines, plan.adapters[0].lora_name)
         self.initial_adapter = trainer.adapter_state()
         try:
             await sync.push(self.initial_adapter, trainer.adapter_config(), start)

@@ -40,7 +40,9 @@ class AdapterSync:
     """Pushes adapters to every engine with the plan's pause, flush and version protocol: `lora_name` by
     default, or the name a push gives (multi-LoRA slots share one strategy, and one broadcast group)."""
 
-    def __init__(self, clients: Sequence[EngineClient], plan: Plan, lora_name: str, *, flush_timeout_s: float = 60):
+    def __init__(
+        self, clients: Sequence[EngineClient], plan: Plan, lora_name: str | None = None, *, flush_timeout_s: float = 60
+    ):
         self.clients = list(clients)
         self.lora_name = lora_name
         self.engine_kind = plan.engines[0].kind
@@ -53,6 +55,8 @@ class AdapterSync:
         self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, *, lora_name: str | None = None
     ) -> SyncReport:
         name = lora_name or self.lora_name
+        if not name:
+            raise ValueError("a push needs an adapter name: give lora_name, or make the sync with one")
         start = time.perf_counter()
         try:  # continue even when a pause failed: the engines that did pause must not stay paused
             await self._each(lambda c: c.pause_generation(self.pause_mode))

@@ -46,7 +46,7 @@ class BroadcastSync(AdapterSync):
         self,
         clients: Sequence[EngineClient],
         plan: Plan,
-        lora_name: str,
+        lora_name: str | None = None,
         *,
         upsert: bool = False,
         master_address: str = LOOPBACK,

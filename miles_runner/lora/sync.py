@@ -18,7 +18,8 @@ from miles_runner.lora.tensor_sync import TensorSync
 from miles_runner.plan.model import Plan
 
 
-def make_sync(plan: Plan, clients: Sequence[EngineClient], lora_name: str) -> AdapterSync:
+def make_sync(plan: Plan, clients: Sequence[EngineClient], lora_name: str | None = None) -> AdapterSync:
+    """The plan's strategy; `lora_name` is the adapter a push updates unless the push names another."""
     if plan.sync.method == "tensor":
         return TensorSync(clients, plan, lora_name)
     if plan.sync.method == "broadcast":

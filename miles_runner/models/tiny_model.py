@@ -15,7 +15,8 @@ can steer the model within a few RL steps.
 Public API (other components rely on it):
 - ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1) -> Path`` writes one folder.
 - ``ensure_tiny_model(name="tiny-moe", cache_dir=None, seed=0) -> Path`` returns the cached folder
-  ``<repo>/.cache/models/<name>-seed<seed>``, building it when missing or incomplete. Builds go to a temp
+  ``<cache>/models/<name>-seed<seed>`` (``miles_runner.core.paths.cache_dir``: $MILES_CACHE_DIR, else the
+  user's cache folder), building it when missing or incomplete. Builds go to a temp
   folder that is renamed into place, so a crash never leaves a half model.
 - CLI: ``python -m miles_runner.models.tiny_model DIR [--dense] [--seed N]``.
 """
@@ -28,11 +29,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from miles_runner.core.paths import model_cache_dir
+
 TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense")
 # Bump when the builder's output changes, so cached folders are rebuilt.
 BUILDER_VERSION = 1
 COMPLETE_MARKER = "tiny_model.json"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 400
@@ -173,7 +175,7 @@ def ensure_tiny_model(name: str = "tiny-moe", cache_dir: str | Path | None = Non
     if name not in TINY_MODEL_NAMES:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODEL_NAMES)}")
     dense = name == "tiny-dense"
-    root = Path(cache_dir) if cache_dir is not None else REPO_ROOT / ".cache" / "models"
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
     target = root / f"{name}-seed{seed}"
     if _is_complete(target, dense=dense, seed=seed):
         return target

@@ -15,8 +15,8 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from miles_runner.core.adapters import min_groups_per_dp_split
 from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
-from miles_runner.plan.derive import min_groups_per_dp_split
 from miles_runner.session.samples import Sample
 
 DEFAULT_MAX_GROUPS = 1000

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from miles_runner.core.adapters import rid_prefix
+from miles_runner.core.adapters import AdapterLimits, rid_prefix
 from miles_runner.engine.client import EngineClient
 from miles_runner.engine.router import list_workers
-from miles_runner.multi_lora.config import AdapterDefaults, AdapterLimits, resolve_adapter_config
+from miles_runner.multi_lora.config import AdapterDefaults, resolve_adapter_config
 from miles_runner.multi_lora.registry import AdapterRegistry, AdapterState, RegistrySnapshot
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from miles_runner.core.adapters import adapter_request_fields, slot_lora_name
+from miles_runner.core.adapters import adapter_request_fields
 from miles_runner.multi_lora.buffers import AdapterBuffers, Group
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.registry import AdapterRun
@@ -48,7 +48,7 @@ async def request_fields(cache: AdaptersCache, run: AdapterRun) -> dict[str, str
     current = await sampleable_tenant(cache, run)
     if current is None:
         return None
-    return adapter_request_fields(run.name, slot_lora_name(current.slot), current.version)
+    return adapter_request_fields(run.name, current.lora_name, current.version)
 
 
 def stamp(samples: list[Sample], run: AdapterRun) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from miles_runner.core.adapters import adapter_name_problem
+from miles_runner.core.adapters import adapter_name_problem, slot_lora_name
 from miles_runner.multi_lora.config import AdapterRunConfig
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,11 @@ class AdapterRun:
     step: int = 0
     accumulated_groups: int = 0
     registration_id: str = ""
+
+    @property
+    def lora_name(self) -> str:
+        """The engine slot it decodes with (and the trainer's peft adapter name)."""
+        return slot_lora_name(self.slot)
 
     @property
     def remaining_groups(self) -> int:

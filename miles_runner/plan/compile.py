@@ -12,11 +12,11 @@ from typing import Any
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.config.provenance import format_value
 from miles_runner.config.schema import MilesConfig, lookup
+from miles_runner.core.adapters import AdapterSpec, adapter_spec
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan import render
-from miles_runner.plan.derive import Derived, adapter_value, derive, resolve_data_path, resolved_targets
+from miles_runner.plan.derive import Derived, adapter_value, adapter_values, derive, resolve_data_path
 from miles_runner.plan.model import (
-    AdapterPlan,
     BatchPlan,
     Capabilities,
     ClusterPlan,
@@ -186,11 +186,11 @@ def build_session(cfg: MilesConfig, d: Derived, upstream: str) -> SessionPlan | 
     if cfg.session.version == "off":
         return None
     # Multi-LoRA sessions name their adapter slot per session; a single adapter is on every turn.
-    lora_path = d.engine_lora_names[0] if d.lora_rollout_enabled and not d.multi_lora else None
-    argv = render.session_argv(cfg, d, upstream_url=upstream, lora_path=lora_path)
+    lora_name = d.engine_lora_names[0] if d.lora_rollout_enabled and not d.multi_lora else None
+    argv = render.session_argv(cfg, d, upstream_url=upstream, lora_name=lora_name)
     return SessionPlan(
         version=cfg.session.version,
-        lora_path=lora_path,
+        lora_name=lora_name,
         use_addition_r3=d.use_addition_r3,
         return_routed_experts=cfg.rollout.routing_replay,
         tito_model=cfg.session.tito_model,
@@ -209,7 +209,7 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
         target_modules=d.target_modules,
         default_rank=a.rank,
         default_alpha=a.alpha,
-        max_adapter_global_batch_size=4 * d.global_batch_size,
+        max_adapter_global_batch_size=d.max_adapter_global_batch_size,
         max_coalesce_wait_s=a.max_coalesce_wait_s,
         max_empty_wait_s=a.max_empty_wait_s,
         idle_poll_s=a.idle_poll_s,
@@ -218,34 +218,21 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
     )
 
 
-def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterPlan]:
+def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterSpec]:
     a, r = cfg.adapters, cfg.rollout
     if a.kind == "single":
-        return [
-            AdapterPlan(
-                d.engine_lora_names[0], d.engine_lora_names[0], a.rank, a.alpha, a.dropout, d.target_modules,
-                r.task, r.reward, cfg.optimizer.lr, r.rollout_batch_size, r.n_samples_per_prompt, data=a.path,
-            )
-        ]
+        values = {"rank": a.rank, "alpha": a.alpha, "target_modules": d.target_modules, "task": r.task,
+                  "reward": r.reward, "lr": cfg.optimizer.lr, "rollout_batch_size": r.rollout_batch_size,
+                  "n_samples_per_prompt": r.n_samples_per_prompt, "data": resolve_data_path(r.data)}  # fmt: skip
+        return [adapter_spec(d.engine_lora_names[0], d.engine_lora_names[0], values, dropout=a.dropout)]
     if a.kind != "multi":
         return []
     return [
-        AdapterPlan(
-            name=run.name,
-            lora_path=d.engine_lora_names[slot] if slot < len(d.engine_lora_names) else "",
-            rank=adapter_value(run, "rank", cfg),
-            alpha=adapter_value(run, "alpha", cfg),
+        adapter_spec(
+            run.name,
+            d.engine_lora_names[slot] if slot < len(d.engine_lora_names) else "",
+            {**adapter_values(cfg, run), "data": resolve_data_path(run.data)},
             dropout=a.dropout,
-            target_modules=resolved_targets(cfg, adapter_value(run, "target_modules", cfg)),
-            task=run.task,
-            reward=run.reward,
-            lr=adapter_value(run, "lr", cfg),
-            rollout_batch_size=adapter_value(run, "rollout_batch_size", cfg),
-            n_samples_per_prompt=adapter_value(run, "n_samples_per_prompt", cfg),
-            num_step=run.num_step,
-            num_epoch=run.num_epoch,
-            data=resolve_data_path(run.data),
-            agent=run.agent,
         )
         for slot, run in enumerate(a.runs)
     ]

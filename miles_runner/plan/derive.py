@@ -7,14 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from miles_runner.config.schema import AdapterRun, MilesConfig
+from miles_runner.config.schema import AdapterEntry, MilesConfig
 from miles_runner.core.adapters import LORA_ADAPTER_NAME, slot_lora_name
+from miles_runner.core.paths import bundled_data_dir, model_cache_dir
 from miles_runner.core.targets import expand_target_modules
 
 TINY_SCHEME = "tiny:"
 TINY_MODEL_SEED = 0
-MODEL_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Derived:
     multi_lora_slots: int
     max_lora_rank: int
     global_batch_size: int
+    max_adapter_global_batch_size: int  # the cap on one adapter's samples per step (4 global batches)
     normalize_std: bool
     is_moe: bool
     model_path: str
@@ -93,6 +95,7 @@ def derive(cfg: MilesConfig) -> Derived:
         multi_lora_slots=slots,
         max_lora_rank=max_lora_rank(cfg),
         global_batch_size=gbs,
+        max_adapter_global_batch_size=4 * gbs,
         normalize_std=cfg.algorithm.normalize_advantages_by_std and (cfg.rollout.n_samples_per_prompt > 1 or multi),
         is_moe=cfg.model.num_experts > 0,
         model_path=resolve_model_path(cfg.model.path),
@@ -128,7 +131,7 @@ def engine_lora_names(cfg: MilesConfig, slots: int) -> list[str]:
     return [slot_lora_name(k) for k in range(slots)]
 
 
-def adapter_value(run: AdapterRun, field: str, cfg: MilesConfig):
+def adapter_value(run: AdapterEntry, field: str, cfg: MilesConfig):
     """A multi-LoRA run's own value, else the global default (spec §4.3 resolve_adapter_config)."""
     own = getattr(run, field)
     if own is not None and own != []:
@@ -143,6 +146,15 @@ def adapter_value(run: AdapterRun, field: str, cfg: MilesConfig):
     }
     return fallback.get(field, own)
 
+def adapter_values(cfg: MilesConfig, run: AdapterEntry) -> dict[str, Any]:
+    """A configured adapter's resolved settings: its own values over the `adapters.*` defaults."""
+    values = {key: adapter_value(run, key, cfg) for key in ADAPTER_FIELDS}
+    return {**values, "target_modules": resolved_targets(cfg, values["target_modules"])}
+
+
+ADAPTER_FIELDS = ("rank", "alpha", "target_modules", "lr", "rollout_batch_size", "n_samples_per_prompt",
+                  "num_step", "num_epoch", "task", "reward", "agent")  # fmt: skip
+
 
 def max_lora_rank(cfg: MilesConfig) -> int:
     if cfg.engine.max_lora_rank:
@@ -152,7 +164,7 @@ def max_lora_rank(cfg: MilesConfig) -> int:
 
 
 BUNDLED_SCHEME = "bundled:"
-BUNDLED_DATA = Path(__file__).resolve().parents[1] / "plugins" / "data"  # prompt sets shipped with the package
+BUNDLED_DATA = bundled_data_dir()  # prompt sets shipped with the package
 
 
 def resolve_data_path(path: str) -> str:
@@ -173,17 +185,10 @@ def parse_tiny_model(path: str) -> tuple[str, bool] | None:
 
 
 def resolve_model_path(path: str) -> str:
-    """A tiny model spec -> the local cache folder its factory builds on first use; other paths as they are."""
+    """A tiny model spec -> the folder in the user's cache (`<cache>/models`) its factory builds on first use;
+    other paths as they are."""
     tiny = parse_tiny_model(path)
     if tiny is None:
         return path
     name, pretrained = tiny
-    return str(MODEL_CACHE / f"{name}-seed{TINY_MODEL_SEED}{'-format' if pretrained else ''}")
-
-
-def min_groups_per_dp_split(n: int, dp: int) -> int | None:
-    """Spec §4.6: max(n,dp)//n when the larger divides by the smaller, else None (undefined)."""
-    if n <= 0 or dp <= 0:
-        return None
-    big, small = max(n, dp), min(n, dp)
-    return big // n if big % small == 0 else None
+    return str(model_cache_dir() / f"{name}-seed{TINY_MODEL_SEED}{'-format' if pretrained else ''}")

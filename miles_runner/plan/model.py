@@ -21,6 +21,7 @@ from miles_runner.config.schema import (
     OptimizerConfig,
     RolloutConfig,
 )
+from miles_runner.core.adapters import AdapterSpec
 
 
 @dataclass(frozen=True)
@@ -92,30 +93,13 @@ class RouterPlan:
 @dataclass(frozen=True)
 class SessionPlan:
     version: str
-    lora_path: str | None  # the adapter every turn is generated with; None without LoRA rollouts
+    lora_name: str | None  # the adapter every turn is generated with; None without LoRA rollouts
     use_addition_r3: bool
     return_routed_experts: bool
     tito_model: str
     launch: Launch
 
 
-@dataclass(frozen=True)
-class AdapterPlan:
-    name: str
-    lora_path: str  # the engine-side adapter name: miles_lora, or the slot name
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: list[str]
-    task: str
-    reward: str
-    lr: float
-    rollout_batch_size: int
-    n_samples_per_prompt: int
-    num_step: int | None = None
-    num_epoch: int | None = None
-    data: str = ""
-    agent: str | None = None  # plays its episodes when a session server runs; None: rollout.agent
 
 
 @dataclass(frozen=True)
@@ -183,7 +167,7 @@ class Plan:
     router: RouterPlan | None
     session: SessionPlan | None
     multi_lora: MultiLoRAPlan | None
-    adapters: list[AdapterPlan]
+    adapters: list[AdapterSpec]
     batch: BatchPlan
     sync: SyncPlan
     capabilities: Capabilities

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from miles_runner.config.compose import REPO_ROOT, ComposedConfig
+from miles_runner.config.compose import ComposedConfig
 from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
 
 TRACKED_PACKAGES = (
@@ -53,6 +53,7 @@ def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
         "argv": argv,
         "recipe": composed.recipe,
         "overrides": composed.overrides,
+        "config_searchpath": list(composed.searchpath),
         "choices": {g: {"option": p.choices[g], "from": str(o)} for g, o in sorted(p.choice_origins.items())},
         "git": git_state(),
         "python": sys.version.split()[0],
@@ -61,13 +62,24 @@ def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
     }
 
 
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        return done.stdout.strip() if done.returncode == 0 else ""
+def git_state(where: str | Path | None = None) -> dict:
+    """The git checkout holding `where` (default: the working directory): its top folder, commit and whether it
+    has uncommitted changes; all None outside a checkout or without git. An installed miles-runner is no
+    checkout, so this records the user's experiment repository, if they run from one."""
+    folder = Path.cwd() if where is None else Path(where)
+    top = git_output(folder, "rev-parse", "--show-toplevel")
+    commit = git_output(folder, "rev-parse", "--verify", "HEAD") if top else None
+    dirty = git_output(folder, "status", "--porcelain") if commit else None
+    return {"repo": top, "commit": commit, "dirty": bool(dirty) if dirty is not None else None}
 
-    commit = git("rev-parse", "HEAD")
-    return {"commit": commit or None, "dirty": bool(git("status", "--porcelain")) if commit else None}
+
+def git_output(folder: Path, *args: str) -> str | None:
+    """`git ARGS` run in `folder`: its stripped output, or None when git is missing, fails or hangs."""
+    try:
+        done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def package_versions() -> dict[str, str | None]:

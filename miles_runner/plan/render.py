@@ -52,13 +52,13 @@ def router_argv(host: str, port: int, policy: str, worker_urls: list[str], *, me
             "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
 
 
-def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_path: str | None) -> list[str]:
+def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_name: str | None) -> list[str]:
     s = cfg.session
     argv = [PYTHON, "-m", "miles_runner.session.server", "--engine-url", upstream_url, "--model-path", d.model_path]
     argv += ["--host", s.host, "--port", str(s.port), "--version", s.version]
     argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
-    if lora_path:
-        argv += ["--lora-path", lora_path]
+    if lora_name:
+        argv += ["--lora-name", lora_name]
     if cfg.rollout.routing_replay:
         argv.append("--routed-experts")
     if d.use_addition_r3:

@@ -59,7 +59,7 @@ def engines_line(plan: Plan) -> str:
 def session_line(plan: Plan) -> str:
     s = plan.session
     assert s is not None
-    adapter = f"adapter {s.lora_path} on every turn" if s.lora_path else "adapter per session slot"
+    adapter = f"adapter {s.lora_name} on every turn" if s.lora_name else "adapter per session slot"
     if not plan.capabilities.lora_rollout_enabled:
         adapter = "base model (no LoRA rollout)"
     r3 = "on" if s.use_addition_r3 else "off"

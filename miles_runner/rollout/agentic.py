@@ -69,7 +69,7 @@ async def play_episode(
     before_turn: BeforeTurn | None = None,
 ) -> Sample:
     """One episode of `ctx.agent` on `ctx.task`, scored by `ctx.reward`, in a session of its own; `adapter`
-    ({"name", "lora_path", "version"}) binds the session to a multi-LoRA slot. Raises EpisodeAborted."""
+    ({"name", "lora_name", "version"}) binds the session to a multi-LoRA slot. Raises EpisodeAborted."""
     created = await clients.http.post("/sessions", json={"adapter": adapter} if adapter else None)
     created.raise_for_status()
     session_id = created.json()["session_id"]

@@ -23,13 +23,13 @@ class RolloutContext:
     reward: RewardFn
     agent: AgentFn | None
     session_url: str | None
-    lora_path: str | None  # the adapter every request is generated with (None: the base model)
+    lora_name: str | None  # the adapter every request is generated with (None: the base model)
 
     @classmethod
     def from_plan(cls, plan: Plan, client: EngineClient, session_url: str | None) -> RolloutContext:
         rollout = plan.rollout
         agentic = plan.session is not None
-        lora = plan.adapters[0].lora_path if plan.capabilities.lora_rollout_enabled and plan.adapters else None
+        lora = plan.adapters[0].lora_name if plan.capabilities.lora_rollout_enabled and plan.adapters else None
         return cls(
             plan=plan,
             client=client,
@@ -38,7 +38,7 @@ class RolloutContext:
             reward=get_reward(rollout.reward),
             agent=get_agent(rollout.agent) if agentic else None,
             session_url=session_url,
-            lora_path=lora,
+            lora_name=lora,
         )
 
     def sampling_params(self) -> dict[str, Any]:

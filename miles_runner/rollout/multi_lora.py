@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 
-from miles_runner.core.adapters import slot_lora_name
 from miles_runner.engine.client import EngineError, EngineUnavailable
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.producer import request_fields, sampleable_tenant
@@ -74,7 +73,7 @@ class MultiLoRARollout:
 
     async def generate_group(self, run: AdapterRun, prompt: Prompt) -> list[Sample]:
         ctx = dataclasses.replace(
-            self.ctx, task=self._task(run), reward=get_reward(run.config.reward), agent=self._agent(run), lora_path=None
+            self.ctx, task=self._task(run), reward=get_reward(run.config.reward), agent=self._agent(run), lora_name=None
         )
         n = run.config.n_samples_per_prompt
         return list(await asyncio.gather(*(self._one(ctx, run, prompt) for _ in range(n))))
@@ -165,7 +164,7 @@ async def session_adapter(cache: AdaptersCache, run: AdapterRun) -> dict[str, An
     current = await sampleable_tenant(cache, run)
     if current is None:
         return None
-    return {"name": run.name, "lora_path": slot_lora_name(current.slot), "version": current.version}
+    return {"name": run.name, "lora_name": current.lora_name, "version": current.version}
 
 
 def session_unreachable(error: Exception) -> bool:

@@ -18,8 +18,8 @@ async def rollout_single_turn(ctx: RolloutContext, prompts: list[Prompt]) -> lis
 
 async def sample_one(ctx: RolloutContext, prompt: Prompt, k: int) -> Sample:
     fields = {"rid": f"p{prompt.index}-s{k}-{uuid.uuid4().hex[:8]}"}
-    if ctx.lora_path:
-        fields["lora_path"] = ctx.lora_path
+    if ctx.lora_name:
+        fields["lora_path"] = ctx.lora_name
     return await generate_sample(ctx, prompt, fields)
 
 

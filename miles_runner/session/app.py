@@ -8,7 +8,7 @@
     POST   /sessions/{id}/samples                   {"max_seq_len", "metadata"} -> safetensors (codec.py)
     *      /sessions/{id}/{path}                    proxied to the engine with X-SMG-Routing-Key, not recorded
 
-Multi-LoRA: POST /sessions {"adapter": {"name": "tenant-a", "lora_path": "__miles_slot_0", "version": 3}}
+Multi-LoRA: POST /sessions {"adapter": {"name": "tenant-a", "lora_name": "__miles_slot_0", "version": 3}}
 binds the session to an adapter slot; every turn then carries lora_path=the slot, rid="tenant-a::<uuid>" and
 extra_key="tenant-a:v3" (overriding the server-wide adapter name and whatever the agent sent). Errors are
 JSON {"error": msg} with the codes of errors.py; /samples answers 422 text/plain when the records cannot

@@ -61,22 +61,22 @@ class AdapterSlot:
     """
 
     name: str
-    lora_path: str
+    lora_name: str
     version: int
 
     def __post_init__(self) -> None:
         if not self.name or "::" in self.name:
             raise ValueError(f"adapter name must be non-empty and contain no '::', got {self.name!r}")
-        if not self.lora_path:
-            raise ValueError("adapter lora_path must be non-empty")
+        if not self.lora_name:
+            raise ValueError("adapter lora_name must be non-empty")
         if self.version < 0:
             raise ValueError(f"adapter version must be >= 0, got {self.version}")
 
     @classmethod
     def from_json(cls, value: object) -> AdapterSlot:
-        if not isinstance(value, dict) or set(value) - {"name", "lora_path", "version"}:
-            raise ValueError('adapter must be an object {"name", "lora_path", "version"}')
-        name, lora_path, version = value.get("name"), value.get("lora_path"), value.get("version", 0)
-        if not isinstance(name, str) or not isinstance(lora_path, str) or type(version) is not int:
-            raise ValueError("adapter name and lora_path must be strings and version an integer")
-        return cls(name, lora_path, version)
+        if not isinstance(value, dict) or set(value) - {"name", "lora_name", "version"}:
+            raise ValueError('adapter must be an object {"name", "lora_name", "version"}')
+        name, lora_name, version = value.get("name"), value.get("lora_name"), value.get("version", 0)
+        if not isinstance(name, str) or not isinstance(lora_name, str) or type(version) is not int:
+            raise ValueError("adapter name and lora_name must be strings and version an integer")
+        return cls(name, lora_name, version)

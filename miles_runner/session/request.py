@@ -40,7 +40,7 @@ def prepare_chat_request(
 def _adapter_fields(config: SessionServerConfig, adapter: AdapterSlot | None) -> dict[str, str]:
     """The adapter overrides whatever the agent sent: no turn may silently come from the base model."""
     if adapter is not None:
-        return adapter_request_fields(adapter.name, adapter.lora_path, adapter.version)
+        return adapter_request_fields(adapter.name, adapter.lora_name, adapter.version)
     if config.lora_name is not None:
         return {"lora_path": config.lora_name}
     return {}

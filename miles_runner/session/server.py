@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--version", choices=["v1", "v2"], default="v1", help="v1 linear, v2 append-only tree")
-    p.add_argument("--lora-path", help="adapter name sent as lora_path on every turn (overrides the agent)")
+    p.add_argument("--lora-name", help="adapter name sent as lora_path on every turn (overrides the agent)")
     p.add_argument("--routed-experts", action="store_true", help="request MoE routing (R3) on every turn")
     p.add_argument(
         "--addition-r3",
@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
         engine_url=args.engine_url,
         model_path=args.model_path,
         version=args.version,
-        lora_name=args.lora_path,
+        lora_name=args.lora_name,
         return_routed_experts=args.routed_experts or args.addition_r3,
         use_addition_r3=args.addition_r3,
         max_trim_tokens=args.max_trim_tokens,

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
-from miles_runner.plan.model import AdapterPlan, Plan
+from miles_runner.core.adapters import AdapterSpec
+from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.distributed import rank_and_world
 from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, token_log_probs
@@ -40,7 +41,7 @@ from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build
 class TrainerSettings:
     """The Plan slices the trainer reads."""
 
-    adapter: AdapterPlan
+    adapter: AdapterSpec
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig
     group_size: int  # samples per prompt: the GRPO group

@@ -1,4 +1,4 @@
-"""The trainable model: an HF causal LM with a peft LoRA adapter built from the plan's AdapterPlan.
+"""The trainable model: an HF causal LM with a peft LoRA adapter built from the plan's AdapterSpec.
 
 Only the adapter's parameters require grad; the base weights are frozen, so the reference policy for the
 KL term is the same model under ``model.disable_adapter()``. Adapter tensors use PEFT naming
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from miles_runner.plan.model import AdapterPlan
+from miles_runner.core.adapters import AdapterSpec
 
-PEFT_ADAPTER = "default"  # peft's internal adapter name; engines serve it under AdapterPlan.lora_path
+PEFT_ADAPTER = "default"  # peft's internal adapter name; engines serve it under AdapterSpec.lora_name
 
 
-def lora_config(adapter: AdapterPlan, *, inference_mode: bool = False):
+def lora_config(adapter: AdapterSpec, *, inference_mode: bool = False):
     from peft import LoraConfig
 
     return LoraConfig(
@@ -31,7 +31,7 @@ def lora_config(adapter: AdapterPlan, *, inference_mode: bool = False):
     )
 
 
-def adapter_config_dict(adapter: AdapterPlan) -> dict[str, Any]:
+def adapter_config_dict(adapter: AdapterSpec) -> dict[str, Any]:
     """The JSON-able adapter config an engine receives next to the tensors (spec §3.1 build_lora_sync_config)."""
     return {
         "peft_type": "LORA",
@@ -44,7 +44,7 @@ def adapter_config_dict(adapter: AdapterPlan) -> dict[str, Any]:
     }
 
 
-def load_lora_model(model_path: str, adapter: AdapterPlan, *, seed: int):
+def load_lora_model(model_path: str, adapter: AdapterSpec, *, seed: int):
     """Load the base in fp32, freeze it, and add a freshly initialised adapter (A random from ``seed``, B zero)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
-from miles_runner.plan.model import AdapterPlan, Plan
+from miles_runner.core.adapters import AdapterSpec
+from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.distributed import rank_and_world
 from miles_runner.trainer.logprobs import TrainingSample, pack_samples, token_log_probs
@@ -56,7 +57,7 @@ class MultiAdapterSettings:
 
 @dataclass
 class _Slot:
-    adapter: AdapterPlan  # lora_path is the peft adapter name and the engine slot name
+    adapter: AdapterSpec  # lora_name is the peft adapter name and the engine slot name
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     step: int = 0
@@ -71,9 +72,9 @@ class MultiAdapterTrainer:
         self.settings = settings
         self.loss_config = settings.loss_config()
         base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        idle = AdapterPlan(
+        idle = AdapterSpec(
             name=IDLE_ADAPTER,
-            lora_path=IDLE_ADAPTER,
+            lora_name=IDLE_ADAPTER,
             rank=1,
             alpha=1.0,
             dropout=0.0,
@@ -92,13 +93,13 @@ class MultiAdapterTrainer:
 
     # ---- slots --------------------------------------------------------------------------------------
 
-    def load_adapter(self, slot: int, adapter: AdapterPlan, state: dict[str, Any] | None = None) -> None:
+    def load_adapter(self, slot: int, adapter: AdapterSpec, state: dict[str, Any] | None = None) -> None:
         """Install a fresh adapter (A random, B zero) and optimizer in `slot`, or the saved `state` of one."""
         if slot in self.slots:
             raise ValueError(f"slot {slot} still holds {self.slots[slot].adapter.name}; clear it first")
         torch.manual_seed(self.settings.seed + slot)
-        self.model.add_adapter(adapter.lora_path, lora_model.lora_config(adapter))
-        params = [p for n, p in self.model.named_parameters() if f".{adapter.lora_path}." in n]
+        self.model.add_adapter(adapter.lora_name, lora_model.lora_config(adapter))
+        params = [p for n, p in self.model.named_parameters() if f".{adapter.lora_name}." in n]
         if not params:
             raise ValueError(f"target_modules {adapter.target_modules} gave adapter {adapter.name} no parameters")
         for p in params:
@@ -113,7 +114,7 @@ class MultiAdapterTrainer:
         entry = self.slots.pop(slot, None)
         if entry is not None:
             self.model.base_model.set_adapter(IDLE_ADAPTER)
-            self.model.delete_adapter(entry.adapter.lora_path)
+            self.model.delete_adapter(entry.adapter.lora_name)
 
     # ---- training -----------------------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class MultiAdapterTrainer:
 
     def _activate(self, entry: _Slot) -> None:
         """Make the slot's adapter the one the forward uses (peft then marks only it trainable)."""
-        self.model.base_model.set_adapter(entry.adapter.lora_path)
+        self.model.base_model.set_adapter(entry.adapter.lora_name)
         for p in entry.params:
             p.requires_grad_(True)
 
@@ -188,7 +189,7 @@ class MultiAdapterTrainer:
         """The slot's adapter tensors in PEFT naming (what the engines load under the slot name)."""
         from peft import get_peft_model_state_dict
 
-        name = self.slots[slot].adapter.lora_path
+        name = self.slots[slot].adapter.lora_name
         state = get_peft_model_state_dict(self.model, adapter_name=name)
         return {key: tensor.detach().cpu().clone() for key, tensor in state.items()}
 

@@ -59,7 +59,7 @@ def test_provenance_records_overrides_choices_git_and_versions(tmp_path):
     assert "session=v2" in prov["overrides"]
     assert prov["choices"]["session"] == {"option": "v2", "from": "command line"}
     assert prov["choices"]["topology"]["from"] == "recipe tiny_lora_agentic"
-    assert set(prov["git"]) == {"commit", "dirty"}
+    assert set(prov["git"]) == {"repo", "commit", "dirty"}
     assert prov["packages"]["hydra-core"]
 
 

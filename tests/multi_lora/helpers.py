@@ -12,9 +12,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 
+from miles_runner.core.adapters import AdapterLimits
 from miles_runner.multi_lora.buffers import Group
 from miles_runner.multi_lora.cache import AdaptersCache
-from miles_runner.multi_lora.config import AdapterDefaults, AdapterLimits, AdapterRunConfig
+from miles_runner.multi_lora.config import AdapterDefaults, AdapterRunConfig
 from miles_runner.multi_lora.producer import request_fields
 from miles_runner.multi_lora.registry import AdapterRun, RegistrySnapshot
 from miles_runner.procs.ports import free_port

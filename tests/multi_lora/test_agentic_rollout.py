@@ -96,7 +96,7 @@ def context(plan: Plan, engine: EngineClient, session_url: str | None, tito, **r
     plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, **rollout))
     return RolloutContext(
         plan=plan, client=engine, tokenizer=tito, task=make_task("count", plan.seed), reward=get_reward("exact_match"),
-        agent=get_agent(plan.rollout.agent), session_url=session_url, lora_path=None,
+        agent=get_agent(plan.rollout.agent), session_url=session_url, lora_name=None,
     )  # fmt: skip
 
 

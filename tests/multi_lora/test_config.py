@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.multi_lora.config import (
     AdapterRunConfig,
     plan_overrides,
     resolve_adapter_config,
 )
-from miles_runner.plan.model import AdapterPlan
 
 from .helpers import LIMITS, TARGETS, defaults
 
@@ -96,8 +96,8 @@ def test_every_problem_is_reported_at_once():
 
 
 def test_a_plan_adapter_registers_with_its_own_values():
-    adapter = AdapterPlan(
-        name="rev", lora_path="__miles_slot_1", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"],
+    adapter = AdapterSpec(
+        name="rev", lora_name="__miles_slot_1", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"],
         task="reverse", reward="exact_match", lr=2e-3, rollout_batch_size=2, n_samples_per_prompt=4, num_step=3,
     )  # fmt: skip
     resolved = resolve("rev", **plan_overrides(adapter))

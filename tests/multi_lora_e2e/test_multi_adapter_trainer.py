@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.models.tiny_model import ensure_tiny_model
-from miles_runner.plan.model import AdapterPlan
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
 
 GROUP = 2  # samples per prompt
 
 
-def adapter(name: str, slot: int, *, rank: int = 4) -> AdapterPlan:
-    return AdapterPlan(
-        name=name, lora_path=f"__miles_slot_{slot}", rank=rank, alpha=8.0, dropout=0.0,
+def adapter(name: str, slot: int, *, rank: int = 4) -> AdapterSpec:
+    return AdapterSpec(
+        name=name, lora_name=f"__miles_slot_{slot}", rank=rank, alpha=8.0, dropout=0.0,
         target_modules=["q_proj", "v_proj"], task="count", reward="exact_match", lr=0.05,
         rollout_batch_size=2, n_samples_per_prompt=GROUP,
     )  # fmt: skip

@@ -10,7 +10,7 @@ from miles_runner.plan.derive import resolve_data_path
 
 def test_a_bundled_prompt_set_resolves_to_the_file_the_package_ships():
     path = Path(resolve_data_path("bundled:letters.jsonl"))
-    assert path.is_file() and path.parent.name == "data" and path.parent.parent.name == "rollout"
+    assert path.is_file() and path.parent.name == "data" and path.parent.parent.name == "plugins"
 
 
 def test_relative_paths_become_absolute_and_empty_stays_empty(tmp_path, monkeypatch):

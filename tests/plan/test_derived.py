@@ -7,8 +7,9 @@ GPUs), `derive` is called on the composed config directly.
 import pytest
 
 from miles_runner.config.compose import compose
+from miles_runner.core.adapters import min_groups_per_dp_split
 from miles_runner.core.targets import MLA_KV, MLA_Q, STANDARD_LINEAR
-from miles_runner.plan.derive import derive, min_groups_per_dp_split
+from miles_runner.plan.derive import derive
 
 TINY = ("+recipe=tiny_lora_agentic",)  # cpu, colocated, session v1, in_place, tiny MoE
 TINY_MULTI = ("+recipe=tiny_multi_lora",)
@@ -99,14 +100,14 @@ def test_explicit_offload_setting_is_kept(plan):
 
 def test_single_adapter_is_served_as_miles_lora(plan):
     p = plan(TINY)
-    assert [a.lora_path for a in p.adapters] == ["miles_lora"]
-    assert p.session.lora_path == "miles_lora"
+    assert [a.lora_name for a in p.adapters] == ["miles_lora"]
+    assert p.session.lora_name == "miles_lora"
     assert flag_values(engine_argv(p), "--max-loras-per-batch") == ["1"]
 
 
 def test_multi_lora_adapters_get_slot_names_in_order(plan):
     p = plan(TINY_MULTI)
-    assert [(a.name, a.lora_path) for a in p.adapters] == [
+    assert [(a.name, a.lora_name) for a in p.adapters] == [
         ("count", "__miles_slot_0"),
         ("retry", "__miles_slot_1"),
         ("letters", "__miles_slot_2"),

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_runner.config.compose import RECIPES_DIR, REPO_ROOT, compose
+from miles_runner.config.compose import RECIPES_DIR, compose
+from miles_runner.core.paths import cache_dir, package_dir
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import plan_from_dict, plan_to_dict
 
@@ -15,8 +16,10 @@ RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
 def portable(plan_dict: dict) -> str:
-    """The plan as YAML with this checkout's absolute path replaced, so goldens hold on any clone."""
-    return yaml.safe_dump(plan_dict, sort_keys=False).replace(str(REPO_ROOT), "<repo>")
+    """The plan as YAML with the machine's folders replaced (the model cache by <cache>, the installed package by
+    <package>), so goldens hold on any clone and any install."""
+    text = yaml.safe_dump(plan_dict, sort_keys=False)
+    return text.replace(str(cache_dir()), "<cache>").replace(str(package_dir()), "<package>")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -43,7 +46,7 @@ def test_the_glm52_recipe_uses_the_spec_figures():
     assert (p.tp, p.ep, p.pp, p.cp, p.world_size) == (8, 32, 1, 1, 32)
     assert [(a.rank, a.alpha) for a in plan.adapters] == [(16, 32)]
     assert plan.trainer.lora_mode == "bridge" and plan.topology == "colocated"
-    assert plan.session and plan.session.lora_path == "miles_lora" and not plan.session.use_addition_r3
+    assert plan.session and plan.session.lora_name == "miles_lora" and not plan.session.use_addition_r3
     assert [e.tp for e in plan.engines] == [16, 16]
     assert "--enable-return-routed-experts" in plan.engines[0].launch.argv
 
@@ -56,7 +59,7 @@ def test_the_qwen3_session_recipe_derives_addition_r3():
 
 def test_multi_lora_math_has_three_adapters_in_slots():
     plan = compile_plan(compose(["+recipe=multi_lora_math"]))
-    assert [a.lora_path for a in plan.adapters] == ["__miles_slot_0", "__miles_slot_1", "__miles_slot_2"]
+    assert [a.lora_name for a in plan.adapters] == ["__miles_slot_0", "__miles_slot_1", "__miles_slot_2"]
     assert plan.topology == "disaggregated" and plan.sync.method == "broadcast"
     assert "--max-loras-per-batch" in plan.engines[0].launch.argv
 

@@ -114,7 +114,7 @@ def test_the_openai_sdk_streams_one_chunk_with_content_and_usage(lora_server):
 
 
 def test_an_adapter_slot_session_sends_rid_and_extra_key(lora_server):
-    adapter = {"name": "tenant-a", "lora_path": "__miles_slot_0", "version": 3}
+    adapter = {"name": "tenant-a", "lora_name": "__miles_slot_0", "version": 3}
     session_id = new_session(lora_server, adapter=adapter)
     assert chat(lora_server, session_id, [USER]).status_code == 200
     [record] = get_session(lora_server, session_id)["records"]
@@ -124,5 +124,5 @@ def test_an_adapter_slot_session_sends_rid_and_extra_key(lora_server):
 
 
 def test_a_malformed_adapter_slot_is_400(lora_server):
-    reply = httpx.post(f"{lora_server.url}/sessions", json={"adapter": {"name": "a::b", "lora_path": "x"}})
+    reply = httpx.post(f"{lora_server.url}/sessions", json={"adapter": {"name": "a::b", "lora_name": "x"}})
     assert reply.status_code == 400

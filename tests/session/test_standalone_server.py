@@ -13,7 +13,7 @@ from miles_runner.session.server import build_parser, config_from_args
 def test_cli_flags_map_onto_the_config():
     args = build_parser().parse_args(
         ["--engine-url", "http://127.0.0.1:1", "--model-path", "m", "--port", "7", "--version", "v2",
-         "--lora-path", "miles_lora", "--addition-r3", "--api-key", "k"]
+         "--lora-name", "miles_lora", "--addition-r3", "--api-key", "k"]
     )  # fmt: skip
     config = config_from_args(args)
     assert (config.version, config.lora_name, config.upstream_api_key) == ("v2", "miles_lora", "k")
@@ -25,7 +25,7 @@ def test_cli_flags_map_onto_the_config():
 def standalone_server(engine_url, tiny_model_dir, tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "miles_runner.session.server", "--engine-url", engine_url]
-    argv += ["--model-path", str(tiny_model_dir), "--port", str(port), "--lora-path", "miles_lora"]
+    argv += ["--model-path", str(tiny_model_dir), "--port", str(port), "--lora-name", "miles_lora"]
     url = f"http://127.0.0.1:{port}"
     process = ManagedProcess(
         "session-server", argv, log_path=tmp_path / "session.log", health_url=f"{url}/health", startup_timeout_s=120

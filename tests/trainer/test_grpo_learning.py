@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.loops.inprocess import LocalRunConfig, LocalRunResult, run_local_grpo
-from miles_runner.plan.model import AdapterPlan
 from miles_runner.rollout.inprocess import SamplingSettings
 
 STEPS = 80
@@ -22,7 +22,7 @@ def pretrained_model_path() -> str:
 
 
 def run(model_path: str, *, adapter_in_rollouts: bool) -> LocalRunResult:
-    adapter = AdapterPlan("miles_lora", "miles_lora", 8, 16.0, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"],
+    adapter = AdapterSpec("miles_lora", "miles_lora", 8, 16.0, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"],
                           "count", "exact_match", 0.005, 16, 8)
     config = LocalRunConfig(model_path, adapter, SamplingSettings(max_new_tokens=4), STEPS, seed=0,
                             adapter_in_rollouts=adapter_in_rollouts)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from miles_runner.config.compose import compose
-from miles_runner.core.adapters import slot_lora_name
+from miles_runner.core.adapters import AdapterSpec, slot_lora_name
 from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.plan.compile import compile_plan
-from miles_runner.plan.model import AdapterPlan, Plan
+from miles_runner.plan.model import Plan
 from miles_runner.plan.record import write_run_record
 from miles_runner.procs.ports import free_port
 from miles_runner.session.samples import Sample, SampleStatus
@@ -45,8 +45,8 @@ def samples(slot: int, groups: int, n: int, seed: int) -> list[Sample]:
     ]  # fmt: skip
 
 
-def in_slot(adapter: AdapterPlan, slot: int) -> AdapterPlan:
-    return dataclasses.replace(adapter, lora_path=slot_lora_name(slot))
+def in_slot(adapter: AdapterSpec, slot: int) -> AdapterSpec:
+    return dataclasses.replace(adapter, lora_name=slot_lora_name(slot))
 
 
 def multi_adapter_steps(trainer, plan: Plan) -> dict[str, torch.Tensor]:

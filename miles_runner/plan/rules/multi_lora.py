@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from miles_runner.config.schema import MilesConfig
-from miles_runner.core.adapters import adapter_name_problem
-from miles_runner.plan.derive import Derived, adapter_value, min_groups_per_dp_split, resolved_targets
+from miles_runner.config.schema import AdapterEntry, MilesConfig
+from miles_runner.core.adapters import AdapterLimits, AdapterProblem, adapter_problems
+from miles_runner.plan.derive import Derived, adapter_value, adapter_values
 from miles_runner.plan.rules.base import ADAPTERS, LORA_MODE, TOPOLOGY, Finding, RuleFn, rule
+from miles_runner.plugins.lookup import registered
 
 
 def _multi(fn: RuleFn) -> RuleFn:
@@ -134,55 +135,64 @@ def multi_lora_needs_adapters(cfg: MilesConfig, d: Derived) -> Iterator[Finding]
         )
 
 
-@rule("adapter-names-unique-and-safe")
-def adapter_names_unique_and_safe(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if not d.multi_lora:
-        return
-    counts = Counter(run.name for run in cfg.adapters.runs)
+def adapter_limits(d: Derived) -> AdapterLimits:
+    """What the plan's engines and trainer serve, as the multi-LoRA controller will check it at run time."""
+    names = registered()
+    return AdapterLimits(
+        max_slots=d.multi_lora_slots, max_lora_rank=d.max_lora_rank, target_modules=tuple(d.target_modules),
+        max_adapter_global_batch_size=d.max_adapter_global_batch_size, dp_size=d.dp_size,
+        tasks=tuple(names["task"]), rewards=tuple(names["reward"]), agents=tuple(names["agent"]),
+    )  # fmt: skip
+
+
+
+
+def _problems(cfg: MilesConfig, d: Derived, fields: set[str]) -> Iterator[tuple[int, AdapterEntry, AdapterProblem]]:
+    """Each configured adapter's problems from the one adapter check, limited to the given fields."""
+    limits = adapter_limits(d)
     for i, run in enumerate(cfg.adapters.runs):
-        if problem := adapter_name_problem(run.name):
-            yield Finding((f"adapters.runs[{i}].name",), f"Adapter names become folders and rid prefixes: {problem}.")
-        elif counts[run.name] > 1:
+        for problem in adapter_problems(run.name, adapter_values(cfg, run), limits):
+            if fields & set(problem.fields):
+                yield i, run, problem
+
+
+def _keys(i: int, problem: AdapterProblem) -> tuple[str, ...]:
+    return tuple(f"adapters.runs[{i}].{field}" for field in problem.fields)
+
+
+@rule("adapter-names-unique-and-safe")
+@_multi
+def adapter_names_unique_and_safe(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    counts = Counter(run.name for run in cfg.adapters.runs)
+    named = set()
+    for i, _run, problem in _problems(cfg, d, {"name"}):
+        named.add(i)
+        yield Finding(_keys(i, problem), f"Adapter names become folders and rid prefixes: {problem}.")
+    for i, run in enumerate(cfg.adapters.runs):
+        if i not in named and counts[run.name] > 1:
             yield Finding((f"adapters.runs[{i}].name",), f"'{run.name}' names more than one adapter.")
 
 
 @rule("adapter-fits-engine")
 @_multi
 def adapter_fits_engine(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    served = set(d.target_modules)
-    for i, run in enumerate(cfg.adapters.runs):
-        rank = adapter_value(run, "rank", cfg)
-        if rank <= 0 or rank > d.max_lora_rank:
-            yield Finding(
-                (f"adapters.runs[{i}].rank", "engine.max_lora_rank"),
-                f"Adapter '{run.name}' has rank {rank}; engines serve ranks 1..{d.max_lora_rank}.",
-                f"engine.max_lora_rank={rank}" if rank > 0 else f"++adapters.runs.{i}.rank=1",
-            )
-        extra = [m for m in resolved_targets(cfg, adapter_value(run, "target_modules", cfg)) if m not in served]
-        if extra:
-            yield Finding(
-                (f"adapters.runs[{i}].target_modules", "adapters.target_modules"),
-                f"Adapter '{run.name}' targets {extra}, which the engines are not launched to serve.",
-                "adapters.target_modules=[all-linear]",
-            )
+    for i, run, problem in _problems(cfg, d, {"rank", "alpha", "lr", "target_modules"}):
+        field = problem.fields[0]
+        if field == "rank":
+            rank = adapter_value(run, "rank", cfg)
+            fits = isinstance(rank, int) and rank > 0
+            yield Finding((*_keys(i, problem), "engine.max_lora_rank"), f"Adapter '{run.name}': {problem}.",
+                          f"engine.max_lora_rank={rank}" if fits else f"++adapters.runs.{i}.rank=1")
+        elif field == "target_modules":
+            yield Finding((*_keys(i, problem), "adapters.target_modules"), f"Adapter '{run.name}': {problem}.",
+                          "adapters.target_modules=[all-linear]")
+        else:
+            yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.", f"++adapters.runs.{i}.{field}=...")
 
 
 @rule("adapter-batch-shape")
 @_multi
 def adapter_batch_shape(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    cap = 4 * d.global_batch_size
-    for i, run in enumerate(cfg.adapters.runs):
-        rbs = adapter_value(run, "rollout_batch_size", cfg)
-        n = adapter_value(run, "n_samples_per_prompt", cfg)
-        keys = (f"adapters.runs[{i}].rollout_batch_size", f"adapters.runs[{i}].n_samples_per_prompt")
-        if rbs < 1 or n < 1:
-            yield Finding(keys, f"Adapter '{run.name}' needs at least one prompt and one sample per prompt.")
-            continue
-        if rbs * n > cap:
-            yield Finding(keys, f"Adapter '{run.name}': {rbs}x{n} samples exceed the cap of 4 x global batch ({cap}).")
-        split = min_groups_per_dp_split(n, d.dp_size)
-        if d.dp_size and split is None:
-            yield Finding(keys, f"Adapter '{run.name}': {n} samples per prompt and DP {d.dp_size} do not divide.")
-        elif split and rbs % split:
-            reason = f"Adapter '{run.name}': {rbs} prompts is not a multiple of {split} groups per DP split."
-            yield Finding(keys, reason)
+    fields = {"rollout_batch_size", "n_samples_per_prompt", "num_step", "num_epoch"}
+    for i, run, problem in _problems(cfg, d, fields):
+        yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.")

@@ -116,3 +116,13 @@ def test_ctrl_c_stops_every_process(tmp_path):
     driver.send_signal(signal.SIGINT)
     driver.wait(timeout=60)
     assert wait_gone(pids) == []
+
+
+def test_the_tiny_model_is_built_in_the_cache_the_plan_was_compiled_with(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "planned"))
+    plan = tiny_plan("model.path=tiny:tiny-moe")
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "now"))  # e.g. a resume from another shell
+    LocalExecutor(plan, tmp_path / "run").prepare_model()
+    assert Path(plan.model_path).parent == tmp_path / "planned" / "models"
+    assert (Path(plan.model_path) / "config.json").is_file()
+    assert not (tmp_path / "now").exists()

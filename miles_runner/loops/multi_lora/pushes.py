@@ -1,0 +1,72 @@
+"""What gets pushed to the engines, and when: the adapters that stepped or are new (an upsert of each), or every
+loaded one when the engines are new (the run's start, or an engine restarted and lost them)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from miles_runner.engine.client import EngineClient
+from miles_runner.loops.multi_lora.events import EventLog
+from miles_runner.loops.multi_lora.recovery import engines_are_new
+from miles_runner.lora.adapter_sync import AdapterSync
+from miles_runner.multi_lora.client import ControllerClient
+from miles_runner.multi_lora.registry import AdapterRun
+from miles_runner.trainer.ranks import RankedTrainer
+
+
+class Pushes:
+    """Tracks which loaded adapters the engines lack the latest weights of, and pushes them.
+
+    Every push sets the engines' weight_version to the push count, so an engine that reports another version
+    missed pushes (it is new) and gets every adapter again."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineClient],
+        sync: AdapterSync,
+        trainer: RankedTrainer,
+        controller: ControllerClient,
+        events: EventLog,
+    ) -> None:
+        self.engines, self.sync, self.trainer, self.controller, self.events = engines, sync, trainer, controller, events
+        self.due: set[str] = set()  # adapters the engines do not have the latest weights of
+        self.count = 0  # weight pushes so far: the engines' weight_version
+
+    def want(self, names: Iterable[str]) -> None:
+        """These adapters are new or stepped: the next update pushes them."""
+        self.due.update(names)
+
+    def forget(self, name: str) -> None:
+        self.due.discard(name)
+
+    async def update(self, loaded: Mapping[str, AdapterRun], iteration: int) -> float:
+        """Push what is due (all of `loaded` to new engines); returns the seconds it took."""
+        started = time.perf_counter()
+        engines_new = bool(loaded) and await engines_are_new(self.engines, self.count)
+        if engines_new:
+            await self.sync.reset()  # a new engine holds no adapter and is in no weight-update group
+        names = set(loaded) if engines_new else self.due & set(loaded)
+        for name in sorted(names, key=lambda n: loaded[n].slot):
+            await self._push(loaded[name])
+        await self._record(sorted(self.due & names), iteration)
+        if engines_new:
+            self.events.write(iteration, "pushed_all", names=sorted(names), engine_adapters=await self._listed())
+        self.due -= names
+        return time.perf_counter() - started
+
+    async def _push(self, run: AdapterRun) -> None:
+        self.count += 1
+        state, config = self.trainer.adapter_state(run.slot), self.trainer.adapter_config(run.slot)
+        # One weight-update group serves every slot; the slot's engine adapter is upserted by name.
+        await self.sync.push(state, config, self.count, lora_name=run.lora_name)
+
+    async def _record(self, bumped: list[str], iteration: int) -> None:
+        """The controller counts a weight version for each adapter that stepped or is new (not a mere re-push)."""
+        if bumped:
+            await self.controller.record_weight_update(bumped)
+            self.events.write(iteration, "pushed", names=bumped)
+
+    async def _listed(self) -> list[list[str]]:
+        """The adapters each engine lists in /v1/models (the base model first, left out), for the audit."""
+        return [sorted(card["id"] for card in (await engine.list_models())[1:]) for engine in self.engines]
