@@ -17,10 +17,12 @@ Shipped tasks are small enough for the tiny CPU model (answers are short integer
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from miles_runner.plugins.registry import Registry
@@ -182,9 +184,6 @@ class JsonlTask(Task):
 
 
 def read_jsonl_prompts(path: str) -> list[dict[str, Any]]:
-    import json
-    from pathlib import Path
-
     if not path or not Path(path).is_file():
         raise ValueError(f"task jsonl needs rollout.data to name a JSONL file of prompts; {path!r} is not a file")
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
@@ -210,12 +211,8 @@ class ProcessGroup:
 def _die_with_parent() -> None:
     """In the child, before exec: the kernel SIGKILLs it when the process that started it dies, even by
     SIGKILL, so a killed driver never leaves servers holding its ports (Linux; elsewhere a no-op)."""
-    try:
-        import ctypes
-
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 _PR_SET_PDEATHSIG = 1
