@@ -9,11 +9,11 @@ Every sample carries the weight_version that generated it; older than the allowe
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.engine.client import EngineClient
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
@@ -26,10 +26,6 @@ from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.tracking.tracker import Tracker
 from miles_runner.trainer.ranks import make_trainer
-
-# Fault switch for the test that shows learning depends on rollouts using the trained adapter: every sync
-# pushes the initial (identity) adapter instead of the trained one. Never set outside that test.
-FAULT_FREEZE_ROLLOUT_ADAPTER = "MILES_FAULT_FREEZE_ROLLOUT_ADAPTER"
 
 
 class StaleSamplesError(RuntimeError):
@@ -50,7 +46,7 @@ class SingleAdapterLoop:
 
     def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False):
         self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
-        self.freeze_adapter = os.environ.get(FAULT_FREEZE_ROLLOUT_ADAPTER) == "1"
+        self.freeze_adapter = FREEZE_ROLLOUT_ADAPTER in warn_fault_switches()
 
     def run(self) -> list[dict[str, Any]]:
         with make_executor(self.plan, self.run_dir) as deployment:

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from miles_runner.config.compose import ComposedConfig
+from miles_runner.core.faults import active_fault_switches
 from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
 
 TRACKED_PACKAGES = (
@@ -56,6 +57,7 @@ def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
         "config_searchpath": list(composed.searchpath),
         "choices": {g: {"option": p.choices[g], "from": str(o)} for g, o in sorted(p.choice_origins.items())},
         "git": git_state(),
+        "fault_switches": active_fault_switches(),  # set only by fault-injection tests
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": package_versions(),

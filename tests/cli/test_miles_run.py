@@ -10,6 +10,7 @@ import yaml
 
 from miles_runner.cli.main import main, sweep_points
 from miles_runner.config.compose import RECIPES_DIR, compose
+from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.record import read_plan
 
@@ -61,6 +62,22 @@ def test_provenance_records_overrides_choices_git_and_versions(tmp_path):
     assert prov["choices"]["topology"]["from"] == "recipe tiny_lora_agentic"
     assert set(prov["git"]) == {"repo", "commit", "dirty"}
     assert prov["packages"]["hydra-core"]
+
+
+def test_provenance_records_a_set_fault_switch_and_only_then(tmp_path, monkeypatch):
+    assert main(["+recipe=tiny_lora_agentic", "--plan", f"run.output_root={tmp_path / 'clean'}"]) == 0
+    assert json.loads((only_run_dir(tmp_path / "clean") / "provenance.json").read_text())["fault_switches"] == {}
+    monkeypatch.setenv(FREEZE_ROLLOUT_ADAPTER, "1")
+    assert main(["+recipe=tiny_lora_agentic", "--plan", f"run.output_root={tmp_path / 'faulty'}"]) == 0
+    prov = json.loads((only_run_dir(tmp_path / "faulty") / "provenance.json").read_text())
+    assert list(prov["fault_switches"]) == [FREEZE_ROLLOUT_ADAPTER]
+
+
+def test_a_set_fault_switch_is_warned_about_on_stderr(monkeypatch, capsys):
+    assert warn_fault_switches() == {}
+    monkeypatch.setenv(FREEZE_ROLLOUT_ADAPTER, "1")
+    assert list(warn_fault_switches()) == [FREEZE_ROLLOUT_ADAPTER]
+    assert f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in capsys.readouterr().err
 
 
 def test_rejected_experiment_exits_2_with_every_problem_and_no_traceback(tmp_path):

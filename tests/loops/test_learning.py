@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.loops.single_adapter import FAULT_FREEZE_ROLLOUT_ADAPTER
+from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
 from miles_runner.procs.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -22,12 +22,13 @@ MARGIN = 0.06
 
 
 def run_default_recipe(root: Path, *, fault: bool) -> list[float]:
-    env = {**os.environ, "WANDB_MODE": "disabled", FAULT_FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
+    env = {**os.environ, "WANDB_MODE": "disabled", FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
     args = ["+recipe=tiny_lora_agentic", f"run.output_root={root}", "logger=none",
             f"engine.base_port={free_port()}", f"session.port={free_port()}"]
     done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=880)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in done.stderr) == fault  # a fault run says so
     [metrics] = root.rglob("metrics.jsonl")
     return [json.loads(line)["reward/mean"] for line in metrics.read_text().splitlines()]
 

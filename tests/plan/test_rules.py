@@ -351,14 +351,7 @@ CASES = [
 # fmt: on
 
 # Rejections whose `fix:` is not an override to paste: the rule gives none for a single list item.
-FIX_NOT_PASTEABLE = {
-    "adapter-names-unique-and-safe/path": "a bad list-item name has no fix line (the user picks a new name)",
-    "adapter-names-unique-and-safe/duplicate": "a duplicate list-item name has no fix line",
-    "adapter-names-unique-and-safe/reserved": "a reserved list-item name has no fix line",
-    "adapter-batch-shape/cap": "per-adapter batch shapes have no fix line (list item)",
-    "adapter-batch-shape/dp-split": "per-adapter batch shapes have no fix line (list item)",
-    "adapter-batch-shape/group-multiple": "per-adapter batch shapes have no fix line (list item)",
-}
+FIX_NOT_PASTEABLE: dict[str, str] = {}
 # Fixes that do not clear their rule: bugs in the rule, documented here until fixed (see the report).
 FIX_BUGS: dict[str, str] = {}  # case id -> reason, for fixes known not to clear their rule
 

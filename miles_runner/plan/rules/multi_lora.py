@@ -4,11 +4,19 @@ shape (spec §1.2 rules 26-29).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 from miles_runner.config.schema import AdapterEntry, MilesConfig
-from miles_runner.core.adapters import AdapterLimits, AdapterProblem, adapter_problems
+from miles_runner.core.adapters import (
+    AdapterLimits,
+    AdapterProblem,
+    adapter_name_problem,
+    adapter_problems,
+    min_groups_per_dp_split,
+)
 from miles_runner.plan.derive import Derived, adapter_value, adapter_values
 from miles_runner.plan.rules.base import ADAPTERS, LORA_MODE, TOPOLOGY, Finding, RuleFn, rule
 from miles_runner.plugins.lookup import registered
@@ -145,8 +153,6 @@ def adapter_limits(d: Derived) -> AdapterLimits:
     )  # fmt: skip
 
 
-
-
 def _problems(cfg: MilesConfig, d: Derived, fields: set[str]) -> Iterator[tuple[int, AdapterEntry, AdapterProblem]]:
     """Each configured adapter's problems from the one adapter check, limited to the given fields."""
     limits = adapter_limits(d)
@@ -163,14 +169,25 @@ def _keys(i: int, problem: AdapterProblem) -> tuple[str, ...]:
 @rule("adapter-names-unique-and-safe")
 @_multi
 def adapter_names_unique_and_safe(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    counts = Counter(run.name for run in cfg.adapters.runs)
-    named = set()
+    names = [run.name for run in cfg.adapters.runs]
+    counts, named = Counter(names), set()
     for i, _run, problem in _problems(cfg, d, {"name"}):
         named.add(i)
-        yield Finding(_keys(i, problem), f"Adapter names become folders and rid prefixes: {problem}.")
-    for i, run in enumerate(cfg.adapters.runs):
-        if i not in named and counts[run.name] > 1:
-            yield Finding((f"adapters.runs[{i}].name",), f"'{run.name}' names more than one adapter.")
+        yield Finding(_keys(i, problem), f"Adapter names become folders and rid prefixes: {problem}.",
+                      f"++adapters.runs.{i}.name={free_name(names, i)}")
+    for i, name in enumerate(names):
+        if i not in named and counts[name] > 1 and names.index(name) != i:  # the first keeps its name
+            yield Finding((f"adapters.runs[{i}].name",), f"'{name}' names more than one adapter.",
+                          f"++adapters.runs.{i}.name={free_name(names, i)}")
+
+
+def free_name(names: list[str], i: int) -> str:
+    """A valid name for adapter i that no other adapter has: its own name made safe, numbered if taken."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", names[i]).strip(".-_") or "adapter"
+    if adapter_name_problem(base):  # reserved (a slot name, miles_lora)
+        base = f"adapter-{base.strip('_')}"
+    taken = set(names[:i] + names[i + 1 :])
+    return next(c for c in (base, *(f"{base}-{k}" for k in range(2, len(names) + 2))) if c not in taken)
 
 
 @rule("adapter-fits-engine")
@@ -194,5 +211,28 @@ def adapter_fits_engine(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 @_multi
 def adapter_batch_shape(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     fields = {"rollout_batch_size", "n_samples_per_prompt", "num_step", "num_epoch"}
+    limits = adapter_limits(d)
     for i, run, problem in _problems(cfg, d, fields):
-        yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.")
+        yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.",
+                      batch_fix(i, adapter_values(cfg, run), limits, problem))
+
+
+def batch_fix(i: int, values: dict[str, Any], limits: AdapterLimits, problem: AdapterProblem) -> str:
+    """Overrides that give adapter i a batch shape the check accepts (a count that is unset when invalid)."""
+    if problem.fields[0] in ("num_step", "num_epoch"):
+        return f"++adapters.runs.{i}.{problem.fields[0]}=null"
+    rbs, n = fitting_batch(values["rollout_batch_size"], values["n_samples_per_prompt"], limits)
+    changed = {"rollout_batch_size": rbs, "n_samples_per_prompt": n}
+    return " ".join(f"++adapters.runs.{i}.{key}={value}" for key, value in changed.items() if value != values[key])
+
+
+def fitting_batch(rbs: Any, n: Any, limits: AdapterLimits) -> tuple[int, int]:
+    """The (rollout_batch_size, n_samples_per_prompt) nearest the given one that splits over the trainer's dp
+    ranks and stays within the per-adapter cap."""
+    rbs, n = max(rbs if isinstance(rbs, int) else 1, 1), max(n if isinstance(n, int) else 1, 1)
+    dp = limits.dp_size
+    if dp > 0 and min_groups_per_dp_split(n, dp) is None:  # n and dp must divide one another: nearest such n
+        n = min((k for k in range(1, max(n, dp) * 2 + 1) if k % dp == 0 or dp % k == 0), key=lambda k: (abs(k - n), k))
+    chunk = (min_groups_per_dp_split(n, dp) or 1) if dp > 0 else 1
+    most = max(limits.max_adapter_global_batch_size // n // chunk * chunk, chunk)
+    return min(-(-rbs // chunk) * chunk, most), n
