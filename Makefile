@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # installed miles-run defaults to ~/.cache/miles-runner.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast lint layers bench clean
+.PHONY: install run plan test test-fast lint layers sglang-spec bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,16 +24,29 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The pinned SGLang's own request definitions (io_struct.py, http_server.py, openai/protocol.py), which the wire-format
+# tests check every request body against: its wheel, downloaded without dependencies and only read (never installed
+# or imported). One Linux wheel whatever the host: only its Python source is read. The pin is pyproject's gpu extra.
+SGLANG_PIN := $(shell sed -n 's/.*"sglang==\([^"]*\)".*/\1/p' pyproject.toml)
+SGLANG_SPEC := $(MILES_CACHE_DIR)/sglang-$(SGLANG_PIN)/.downloaded
+
+$(SGLANG_SPEC): pyproject.toml | $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_34_x86_64 --python-version 3.11 \
+		-d $(dir $@) sglang==$(SGLANG_PIN)
+	touch $@
+
+sglang-spec: $(SGLANG_SPEC)
+
 run: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic $(ARGS)
 
 plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
-test: layers
+test: layers sglang-spec
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: layers
+test-fast: layers sglang-spec
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
 
 lint: layers

@@ -61,6 +61,7 @@ def sglang_tensor_wires() -> tuple[Any, Any]:
 
 
 async def run_checks(url: str, model_dir: Path, adapter_path: Path, only: list[str]) -> dict[str, Any]:
+    from miles_runner.core.sglang_protocol import STOCK
     from miles_runner.engine.client import EngineClient
     from miles_testkit.contract import CONTRACT_ADAPTER, CONTRACT_CHECKS, ContractTarget, run_contract
 
@@ -75,6 +76,7 @@ async def run_checks(url: str, model_dir: Path, adapter_path: Path, only: list[s
             lora_wire=lora_wire,
             weights_wire=weights_wire,
             logprob_tol=SGLANG_LOGPROB_TOL,
+            build=STOCK,  # the gpu extra installs stock SGLang (core.sglang_protocol.SGLANG_VERSION)
         )
         return await run_contract(target, checks)
 

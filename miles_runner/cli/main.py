@@ -2,6 +2,8 @@
 
     miles-run [+recipe=NAME] [group=option ...] [key=value ...]     compile, save and run the plan
     miles-run ... --plan                                             compile, save and print it; start nothing
+    miles-run ... --debug                                            a failed run also prints its traceback
+                                                                     (it is always in RUN_DIR/logs/driver.log)
     miles-run --recipes                                              list the recipes (shipped and your own)
     miles-run --multirun ... a=x,y                                   a Hydra sweep; every point is checked first
     miles-run --config-dir DIR ...                                   also read your recipes (DIR/recipe/NAME.yaml)
@@ -40,7 +42,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 
 EXIT_PLAN_ERROR = 2
-OWN_FLAGS = {"--plan", "--recipes", "--help", "-h", "--multirun", "-m"}
+OWN_FLAGS = {"--plan", "--recipes", "--help", "-h", "--multirun", "-m", "--debug"}
 CONFIG_DIR_FLAG = "--config-dir"
 
 
@@ -65,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         if "--recipes" in flags:
             print(list_recipes(searchpath_entries(overrides)))
             return 0
+        plan_only, debug = "--plan" in flags, "--debug" in flags
         if flags & {"--multirun", "-m"}:
-            return multirun(overrides, plan_only="--plan" in flags)
-        return single_run(overrides, plan_only="--plan" in flags, argv=args)
+            return multirun(overrides, plan_only=plan_only, debug=debug)
+        return single_run(overrides, plan_only=plan_only, debug=debug, argv=args)
     except PlanError as exc:
         print(f"miles-run: {exc}", file=sys.stderr)
         return EXIT_PLAN_ERROR
@@ -98,7 +101,7 @@ def with_config_dirs(overrides: list[str], folders: Sequence[str]) -> list[str]:
     return with_searchpath(overrides, folders)
 
 
-def single_run(overrides: list[str], *, plan_only: bool, argv: list[str]) -> int:
+def single_run(overrides: list[str], *, plan_only: bool, argv: list[str], debug: bool = False) -> int:
     composed, plan = checked_plan(overrides)
     resumed = run_to_resume(composed, plan.name)
     if resumed is not None:
@@ -108,7 +111,7 @@ def single_run(overrides: list[str], *, plan_only: bool, argv: list[str]) -> int
         record_plan(composed, plan, run_dir, argv)
     if plan_only:
         return 0
-    return execute(plan, run_dir, resume=resumed is not None)
+    return execute(plan, run_dir, resume=resumed is not None, debug=debug)
 
 
 def checked_plan(overrides: list[str]) -> tuple[ComposedConfig, Plan]:
@@ -129,7 +132,7 @@ def checked_plan(overrides: list[str]) -> tuple[ComposedConfig, Plan]:
     return composed, plan
 
 
-def multirun(overrides: list[str], *, plan_only: bool) -> int:
+def multirun(overrides: list[str], *, plan_only: bool, debug: bool) -> int:
     """Check every point of the sweep before Hydra launches any of them."""
     if problems := hydra_setting_problems(overrides, multirun=True):
         raise PlanError(problems)
@@ -145,7 +148,8 @@ def multirun(overrides: list[str], *, plan_only: bool) -> int:
         for job, exc in failures:
             print(f"miles-run: sweep point [{' '.join(job)}]: {exc}\n", file=sys.stderr)
         return EXIT_PLAN_ERROR
-    return launch_multirun([*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only)
+    return launch_multirun([*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only,
+                           debug=debug)
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:

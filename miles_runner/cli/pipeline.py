@@ -11,12 +11,17 @@ from pathlib import Path
 
 import yaml
 
+from miles_runner.cli.failure import driver_log, failure_report, format_traceback, log_traceback
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import new_run_dir, read_plan, write_run_record
 from miles_runner.plan.summary import summarize
+
+EXIT_RUN_FAILED = 1  # a component failed during the run
+EXIT_RUN_STOPPED = 3  # a check during the run stopped it (2 is a plan error: nothing started)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 def plan_and_record(composed: ComposedConfig, run_dir: Path, argv: list[str]) -> Plan:
@@ -75,11 +80,26 @@ def new_run_folder(composed: ComposedConfig) -> Path:
     return new_run_dir(composed.config.run.output_root)
 
 
-def execute(plan: Plan, run_dir: Path, *, resume: bool = False) -> int:
-    """Run the plan: the executor starts its servers, the loop trains, everything is stopped at the end."""
+def execute(plan: Plan, run_dir: Path, *, resume: bool = False, debug: bool = False) -> int:
+    """Run the plan: the executor starts its servers, the loop trains, everything is stopped at the end. A
+    failure ends with one report on stderr (component, reason, its log's tail, the run folder); the traceback
+    goes to RUN_DIR/logs/driver.log, and to stderr too with `debug`."""
     # Imported here, not at the top: the loops pull in torch, ray and transformers, which planning never needs.
     from miles_runner.loops.run import run_plan
+    from miles_runner.lora.verify import SyncVerificationError
 
-    run_plan(plan, run_dir, resume=resume)
+    with driver_log(run_dir) as log:
+        try:
+            run_plan(plan, run_dir, resume=resume)
+        except KeyboardInterrupt:
+            print(f"miles-run: stopped by Ctrl-C; every process it started was stopped.\nrun folder: {run_dir}",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as error:
+            report = failure_report(error, run_dir, log)
+            log_traceback(error)
+            print(report + ("\n\n" + format_traceback(error) if debug else ""), file=sys.stderr)
+            # a push the engines did not take: the run stopped itself, nothing was trained on it
+            return EXIT_RUN_STOPPED if isinstance(error, SyncVerificationError) else EXIT_RUN_FAILED
     print(f"run folder: {run_dir}")
     return 0

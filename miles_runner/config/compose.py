@@ -103,9 +103,12 @@ def schema_problem(issue: Any, provenance: Provenance) -> Problem:
     rule = "unknown-key" if issue.message == "unknown key" else "invalid-value"
     fix = ""
     if issue.hint.startswith("did you mean '"):
-        parent = issue.path.rpartition(".")[0]
         suggestion = issue.hint.split("'")[1]
-        fix = f"rename it to {parent + '.' if parent else ''}{suggestion}"
+        if rule == "unknown-key":  # a misspelt key: the near key under the same parent
+            parent = issue.path.rpartition(".")[0]
+            fix = f"rename it to {parent + '.' if parent else ''}{suggestion}"
+        else:  # a misspelt choice: the near value, as an override to paste
+            fix = f"{issue.path}={suggestion}"
     reason = f"{issue.message}; {issue.hint}" if issue.hint else issue.message
     return Problem(rule, [(issue.path, str(origin))], reason.rstrip(), fix)
 

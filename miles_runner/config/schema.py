@@ -11,6 +11,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from miles_runner.core.sglang_protocol import ENGINE_BUILDS, MILES_FORK
+from miles_runner.core.tito_families import TITO_FAMILIES
+
 # Allowed values of the enum-like string fields, keyed by their full path. Checked by the loader, so a typo
 # in `session.version=v3` is reported like a type error, with the valid choices.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -23,16 +26,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.offload_target": ("cpu", "disk"),
     "optimizer.name": ("adam", "muon", "sgd"),
     "engine.kind": ("embedded", "sglang"),
+    "engine.build": ENGINE_BUILDS,  # stock SGLang at the pinned release, or the sglang-miles fork
     "router.kind": ("none", "sglang"),
     # sglang-router 0.3.2's policies; manual keeps one X-SMG-Routing-Key on one worker.
     "router.policy": ("auto", "round_robin", "random", "cache_aware", "power_of_two", "manual"),
     "session.version": ("off", "v1", "v2"),
-    "session.tito_model": ("default", "glm47", "qwen3", "qwen25"),
+    "session.tito_model": tuple(TITO_FAMILIES),  # miles' TITO families this runner builds (no qwen25 in miles)
     "session.message_matcher": ("strict", "loose_tool_call", "role_content_only"),
     "executor.kind": ("local", "ray"),
     "weight_sync.pause_generation_mode": ("abort", "in_place", "retract"),
     "weight_sync.transfer_mode": ("broadcast", "p2p", "disk-delta"),
-    "algorithm.advantage_estimator": ("grpo", "ppo", "reinforce_plus_plus"),
+    # miles' estimators; ppo is refused by a plan rule (it needs a critic, which LoRA-only trainers lack).
+    "algorithm.advantage_estimator": ("grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "rollout.driver": ("sync", "async"),
     "logger.wandb_mode": ("offline", "online", "disabled"),
     "logger.progress": ("auto", "rich", "plain"),
@@ -83,7 +88,6 @@ class ModelConfig:
     num_experts: int = 8  # 0 for a dense model
     moe_topk: int = 2
     params_b: float = 0.0003  # total parameters, billions
-    active_params_b: float = 0.0002
     kv_lora_rank: int = 0  # > 0: MLA attention (adds kv_a_proj_with_mqa, kv_b_proj to all-linear)
     q_lora_rank: int = 0  # > 0 with MLA: adds q_a_proj, q_b_proj
     has_dsa_indexer: bool = False
@@ -99,7 +103,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
     micro_batch_size: int = 1
-    qkv_format: str = "thd"
+    qkv_format: str = "bshd"  # fsdp right-pads rows; Megatron packs (thd)
     recompute: bool = False
 
 
@@ -166,6 +170,7 @@ class AdaptersConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     kind: str = "embedded"
+    build: str = MILES_FORK  # which SGLang the engines are (core.sglang_protocol); conf/engine/sglang.yaml: stock
     tp_size: int = 1  # rollout_num_gpus_per_engine
     ep_size: int = 1
     dp_attention: bool = False
@@ -226,8 +231,13 @@ class RolloutConfig:
 class WeightSyncConfig:
     pause_generation_mode: str = "retract"
     transfer_mode: str = "broadcast"
-    update_weights_interval: int = 1
+    update_weights_interval: int = 1  # push the adapter after every N training steps, and after the last one
     check_weight_equal: bool = False
+    # After each push, the first batch generated entirely with it must match the trainer's logprobs (mean
+    # |trainer - rollout| over trained tokens) within max_logprob_gap, checked before training on it.
+    # None: on, except where batches train past the weights that generated them (async driver, multi-LoRA).
+    verify: bool | None = None
+    max_logprob_gap: float | None = None  # None: by engine kind (plan.model.DEFAULT_MAX_LOGPROB_GAP)
 
 
 @dataclass(frozen=True)
@@ -249,7 +259,10 @@ class AlgorithmConfig:
     global_batch_size: int = 0  # 0: one optimizer step per rollout (prompts x samples)
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
+    # The KL to the reference (the base model): a loss term for grpo/gspo (miles' kl_loss_coef), a per-token
+    # reward penalty for the reinforce_plus_plus estimators (miles' kl_coef).
     kl_coef: float = 0.0
+    gamma: float = 1.0  # reinforce_plus_plus: discount of the per-token returns
     entropy_coef: float = 0.0
     normalize_advantages_by_std: bool = True
     use_tis: bool = False

@@ -200,6 +200,7 @@ class AdapterSpec:
     num_epoch: int | None = None
     data: str = ""
     agent: str | None = None  # plays its episodes when a session server runs; None: rollout.agent
+    init_path: str = ""  # a PEFT folder the adapter starts from (adapters.path); "": a fresh adapter
 
 
 def adapter_spec(name: str, lora_name: str, values: Mapping[str, Any], *, dropout: float = 0.0) -> AdapterSpec:
@@ -211,4 +212,5 @@ def adapter_spec(name: str, lora_name: str, values: Mapping[str, Any], *, dropou
         lr=values["lr"], rollout_batch_size=values["rollout_batch_size"],
         n_samples_per_prompt=values["n_samples_per_prompt"], num_step=values.get("num_step"),
         num_epoch=values.get("num_epoch"), data=values.get("data") or "", agent=values.get("agent"),
+        init_path=values.get("init_path") or "",
     )  # fmt: skip

@@ -32,3 +32,22 @@ class PlanError(Exception):
         count = len(self.problems)
         head = f"this experiment cannot run ({count} problem{'s' if count != 1 else ''}); nothing was started."
         return "\n\n".join([head, *(p.render(i) for i, p in enumerate(self.problems, 1))])
+
+
+class ComponentFailure(RuntimeError):
+    """A run stopped because one of its components failed: which one, why, and where its log is.
+
+    `miles-run` prints exactly this at the end of a failed run (with the run folder); the traceback that led here
+    goes to the run's log. Raised for a process that would not start or died mid-run, and for checks that
+    name the component at fault (an engine that did not take an adapter push, ...).
+    """
+
+    def __init__(self, component: str, reason: str, *, log_path: str | None = None, log_tail: str = "") -> None:
+        super().__init__(f"{component}: {reason}")
+        self.component, self.reason, self.log_path, self.log_tail = component, reason, log_path, log_tail
+
+    def report(self) -> str:
+        lines = [f"component: {self.component}", f"reason:    {self.reason}"]
+        if self.log_path:
+            lines.append(f"--- last lines of {self.log_path} ---\n{self.log_tail.rstrip()}")
+        return "\n".join(lines)

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from miles_runner.core.sglang_protocol import LORA_BROADCAST_ROUTE, MILES_FORK
 from miles_runner.embedded_engine import openai_chat
 from miles_runner.embedded_engine.engine import EmbeddedEngine
 from miles_runner.embedded_engine.native_response import generate_item
@@ -85,12 +86,12 @@ def error_response(request: Request, message: str, status: int = 400) -> JSONRes
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for error in exc.errors():
-            path = () if error.get("type") == "json_invalid" else error.get("loc", ())[1:]
+        problems: dict[str, list[str]] = {}  # per field, each distinct message (one per union member it failed)
+        for path, error in _without_union_noise(exc.errors()):
             field = ".".join(str(part) for part in path) or "body"
-            problems.append(f"{field}: {error.get('msg', 'invalid')}")
-        return error_response(request, "; ".join(problems))
+            problems.setdefault(field, []).append(error.get("msg", "invalid"))
+        text = "; ".join(f"{field}: {' or '.join(dict.fromkeys(msgs))}" for field, msgs in problems.items())
+        return error_response(request, text)
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
@@ -100,6 +101,41 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(request, f"Internal server error: {exc}", 500)
+
+
+def _without_union_noise(errors: list[dict]) -> list[tuple[tuple, dict]]:
+    """(field path, error) of the errors that say what is wrong. A value that fails every member of a union
+    (`sampling_params`: one or a list) gets an error per member: an error deeper in the value, or one that is not
+    a mere type mismatch at the same place, says more than "not a list"."""
+    located = [(_field_path(error), error) for error in errors]
+
+    def says_more(path: tuple, error: dict) -> bool:
+        return any(
+            (len(other) > len(path) and other[: len(path)] == path)
+            or (other == path and _type_mismatch(error) and not _type_mismatch(other_error))
+            for other, other_error in located
+        )
+
+    return [(path, error) for path, error in located if not says_more(path, error)] or located
+
+
+def _field_path(error: dict) -> tuple:
+    """The field path into the body, without pydantic's union member names (`SamplingParams`, `list[int]`,
+    `str`); the fields here are snake_case and none is named after a type."""
+    if error.get("type") == "json_invalid":
+        return ()
+    return tuple(part for part in error.get("loc", ())[1:] if not _union_member(part))
+
+
+def _union_member(part: object) -> bool:
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _type_mismatch(error: dict) -> bool:
+    return error.get("type", "").endswith("_type")
 
 
 def _install_auth(app: FastAPI, api_key: str) -> None:
@@ -185,19 +221,21 @@ def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 
 # ----- abort, pause, cache -----------------------------------------------------------------------------------
 def _add_control_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
+    # As in SGLang, these routes require a JSON body (`{}` takes every default).
     @app.post("/abort_request")
-    async def abort_request(body: AbortReqInput | None = None):
-        body = body or AbortReqInput()
-        await engine.abort(body.rid, abort_all=body.abort_all, prefix=body.prefix)
+    async def abort_request(body: AbortReqInput):
+        # `prefix` is a fork-only field: an engine serving as stock SGLang drops it, as stock does.
+        prefix = body.prefix and engine.args.engine_build == MILES_FORK
+        await engine.abort(body.rid, abort_all=body.abort_all, prefix=prefix)
         return Response(status_code=200)
 
     @app.post("/pause_generation")
-    async def pause_generation(body: PauseGenerationReqInput | None = None):
-        await engine.pause((body or PauseGenerationReqInput()).mode)
+    async def pause_generation(body: PauseGenerationReqInput):
+        await engine.pause(body.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation(_body: ContinueGenerationReqInput | None = None):
+    async def continue_generation(_body: ContinueGenerationReqInput):
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -299,7 +337,10 @@ def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None
             return _weights_reply(None, f"Failed to update weights: {exc}")
         return _weights_reply(message)
 
-    @app.post("/load_lora_adapter_from_distributed")
+    if engine.args.engine_build != MILES_FORK:
+        return  # a fork-only route: an engine serving as stock SGLang answers 404, as stock does
+
+    @app.post(LORA_BROADCAST_ROUTE)
     async def load_lora_adapter_from_distributed(body: LoadLoRAAdapterFromDistributedReqInput):
         try:
             await engine.load_lora_from_distributed(body)

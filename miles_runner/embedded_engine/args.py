@@ -11,6 +11,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 
+from miles_runner.core.sglang_protocol import ENGINE_BUILDS, MILES_FORK
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 30000
@@ -46,6 +48,7 @@ class ServerArgs:
     enable_return_routed_experts: bool = False
     enable_cache_report: bool = False
     dist_timeout: int | None = None  # seconds; bounds weight-update group joins and broadcasts
+    engine_build: str = MILES_FORK  # stock: serve as stock SGLang, without the fork-only features
     log_level: str = "info"
     ignored_flags: list[str] = field(default_factory=list)
 
@@ -91,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--dist-timeout", type=int)
+    # Not an SGLang flag: which SGLang build to serve as (core.sglang_protocol). The fork's features are served
+    # only as miles_fork; as stock, the fork's route is a 404 and its fields are dropped, as stock SGLang does.
+    p.add_argument("--engine-build", choices=ENGINE_BUILDS, default=MILES_FORK)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -100,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     args = ServerArgs(**vars(namespace), ignored_flags=unknown)
     if args.lora_paths:
         args.enable_lora = True  # SGLang: --lora-paths implies --enable-lora
+    if args.served_model_name is not None and ":" in args.served_model_name:  # SGLang refuses it at launch too
+        raise SystemExit(
+            f"--served-model-name {args.served_model_name!r} cannot contain ':'; the colon is reserved for the "
+            "'model:adapter' syntax of LoRA requests"
+        )
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         raise SystemExit("--max-loaded-loras must be at least --max-loras-per-batch")
     return args

@@ -36,7 +36,7 @@ from miles_runner.embedded_engine.request import GenerationResult, GenRequest, L
 from miles_runner.embedded_engine.sampling import SamplingConfig
 from miles_runner.embedded_engine.scheduler import Scheduler
 from miles_runner.embedded_engine.weight_groups import WeightUpdateGroups
-from miles_runner.engine.tensor_wire import deserialize_named_tensors
+from miles_runner.engine.tensor_wire import check_tensor_checksums, deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class EmbeddedEngine:
     ) -> list[GenRequest]:  # fmt: skip
         _verify_sampling(params)
         self._check_prompt(prompt, logprob, routed_start)
+        self._check_total_tokens(len(prompt), params.max_new_tokens)
         rids = [rid] if params.n == 1 else [f"{rid}_{j}" for j in range(params.n)]
         return [
             GenRequest(
@@ -183,6 +184,16 @@ class EmbeddedEngine:
             )
         if not 0 <= routed_start <= len(prompt):
             raise ValueError(f"routed_experts_start_len must be in [0, {len(prompt)}], got {routed_start}.")
+
+    def _check_total_tokens(self, prompt_len: int, max_new_tokens: int | None) -> None:
+        """SGLang's tokenizer manager refuses a request whose prompt and max_new_tokens exceed the context."""
+        if max_new_tokens is not None and prompt_len + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from "
+                f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+                "tokens in the input messages or the completion to fit within the limit."
+            )
 
     def _sampling_config(self, p: SamplingParams, prompt_len: int, *, sample_index: int) -> SamplingConfig:
         if p.sampling_seed is not None:
@@ -345,9 +356,13 @@ class EmbeddedEngine:
             self.lora.register(LoRARef(name, path, pinned))
 
     async def load_lora_from_tensors(self, body: LoadLoRAAdapterFromTensorsReqInput) -> None:
+        if body.load_format is not None:
+            raise ValueError(f"load_format {body.load_format!r} is not supported; send one safetensors entry per rank.")
         async with self._lora_lock:
             self.lora.check_new(body.lora_name, body.config_dict)
-            tensors = deserialize_named_tensors(body.serialized_tensors)
+            tensors = deserialize_named_tensors(body.serialized_named_tensors[0])  # this engine is TP rank 0
+            if body.expected_checksums is not None:
+                check_tensor_checksums(tensors, body.expected_checksums)
             await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
 
     async def load_lora_from_distributed(self, body: LoadLoRAAdapterFromDistributedReqInput) -> None:
@@ -379,6 +394,7 @@ class EmbeddedEngine:
         config = self.runner.config
         return {
             "model_path": self.args.model_path,
+            "served_model_name": self.args.model_name,
             "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -409,7 +425,7 @@ class EmbeddedEngine:
             "object": "model",
             "created": created,
             "owned_by": "sglang",
-            "root": self.args.model_path,
+            "root": self.args.model_name,
             "parent": None,
             "max_model_len": self.context_length,
         }

@@ -15,9 +15,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from miles_runner.embedded_engine.engine import EmbeddedEngine
-from miles_runner.embedded_engine.native_response import meta_info
+from miles_runner.embedded_engine.native_response import generate_item
 from miles_runner.embedded_engine.protocol import ChatCompletionRequest, SamplingParams
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest, LogprobRequest
+from miles_runner.engine.chat_as_generate import chat_completion, model_adapter, openai_logprobs
 
 _STREAM_INCOMPATIBLE = {
     "return_meta_info": "return_meta_info is not supported with streaming.",
@@ -65,8 +66,7 @@ def build_chat_requests(engine: EmbeddedEngine, body: ChatCompletionRequest) -> 
 
 
 def _adapter(body: ChatCompletionRequest) -> str | None:
-    _, colon, suffix = body.model.partition(":")
-    return suffix if colon and suffix else body.lora_path
+    return model_adapter(body.model) or body.lora_path
 
 
 def chat_prompt_ids(engine: EmbeddedEngine, body: ChatCompletionRequest) -> list[int]:
@@ -98,46 +98,16 @@ def _content_text(content: str | list[dict] | None) -> str:
 def chat_response(
     body: ChatCompletionRequest, rid: str, requests: list[GenRequest], results: list[GenerationResult]
 ) -> dict:
-    pairs = enumerate(zip(requests, results, strict=True))
-    choices = [_choice(body, i, request, result) for i, (request, result) in pairs]
-    completion = sum(len(r.output_ids) for r in results)
-    prompt = results[0].prompt_tokens
-    response = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "reasoning_tokens": 0,
-        },
-        "metadata": {"weight_version": results[0].weight_version},
-    }
-    sglext = _sglext(body, results[0])
-    if sglext:
-        response["sglext"] = sglext
+    items = [generate_item(result) for result in results]
+    response = chat_completion(
+        items, model=body.model, logprobs=body.logprobs, return_meta_info=body.return_meta_info, response_id=rid
+    )
+    for choice, request, result in zip(response["choices"], requests, results, strict=True):
+        if body.return_prompt_token_ids:
+            choice["prompt_token_ids"] = request.input_ids
+        if body.return_token_ids:
+            choice["token_ids"] = result.output_ids
     return response
-
-
-def _choice(body: ChatCompletionRequest, index: int, request: GenRequest, result: GenerationResult) -> dict:
-    finish = result.finish_reason or {}
-    choice = {
-        "index": index,
-        "message": {"role": "assistant", "content": result.text, "reasoning_content": None, "tool_calls": None},
-        "logprobs": _logprobs(result, 0) if body.logprobs else None,
-        "finish_reason": finish.get("type"),
-        "matched_stop": finish.get("matched"),
-    }
-    if body.return_meta_info:
-        choice["meta_info"] = meta_info(result)
-    if body.return_prompt_token_ids:
-        choice["prompt_token_ids"] = request.input_ids
-    if body.return_token_ids:
-        choice["token_ids"] = result.output_ids
-    return choice
 
 
 def _sglext(body: ChatCompletionRequest, first: GenerationResult) -> dict:
@@ -148,19 +118,7 @@ def _sglext(body: ChatCompletionRequest, first: GenerationResult) -> dict:
 
 def _logprobs(result: GenerationResult, start: int) -> dict:
     """OpenAI ``logprobs.content`` for output tokens from ``start`` on."""
-    triples = (result.output_token_logprobs or [])[start:]
-    tops = (result.output_top_logprobs or [])[start:]
-    content = []
-    for position, (logprob, _token_id, text) in enumerate(triples):
-        entry = _token_entry(text, logprob)
-        entry["top_logprobs"] = [_token_entry(t, lp) for lp, _i, t in tops[position]] if tops else []
-        content.append(entry)
-    return {"content": content}
-
-
-def _token_entry(text: str | None, logprob: float | None) -> dict:
-    text = text or ""
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return openai_logprobs((result.output_token_logprobs or [])[start:], (result.output_top_logprobs or [])[start:])
 
 
 # ----- streaming ---------------------------------------------------------------------------------------------

@@ -1,5 +1,12 @@
-"""Request bodies with SGLang's field names (io_struct.py, openai/protocol.py). Unknown keys are ignored, as
-SGLang's dataclasses ignore them for the native routes; wrong types are rejected naming the field."""
+"""Request bodies with the field names, required fields and JSON shapes of the pinned SGLang
+(core.sglang_protocol.SGLANG_VERSION: io_struct.py, openai/protocol.py); tests/engine/test_wire_format.py checks
+them against SGLang's own definitions.
+
+Unknown keys are treated as SGLang treats them: ignored at the top level of every body (SGLang parses native
+bodies as typed dicts with `extra_behavior="ignore"` and OpenAI bodies with pydantic's default), refused inside
+/generate's `sampling_params` (SGLang's contract gate rejects them). Wrong types are rejected naming the field.
+Keys SGLang defines that this engine does not implement are refused by name rather than dropped.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from miles_runner.engine.client import DEFAULT_GROUP_NAME
 
+# SGLang's /generate sampling_params keys this engine does not implement (the wire-format tests keep this list
+# equal to SGLang's keys minus SamplingParams' fields below).
+NOT_IMPLEMENTED_SAMPLING_KEYS = ("stop_regex", "stream_interval", "logit_bias", "beam_width", "watermark", "choice")
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SamplingParams(_Body):
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # as SGLang's /generate contract gate
+
     max_new_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,6 +52,17 @@ class SamplingParams(_Body):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_implemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        given = [key for key in NOT_IMPLEMENTED_SAMPLING_KEYS if data.get(key) not in (None, [], {})]
+        if given:
+            raise ValueError(f"{given} are SGLang sampling keys the embedded engine does not implement")
+        # Their empty values are SGLang's defaults: nothing to implement.
+        return {key: value for key, value in data.items() if key not in NOT_IMPLEMENTED_SAMPLING_KEYS}
 
 
 class GenerateReqInput(_Body):
@@ -114,7 +138,7 @@ class ChatCompletionRequest(_Body):
 class AbortReqInput(_Body):
     rid: str = ""
     abort_all: bool = False
-    prefix: bool = False  # sglang-miles branch: abort every rid that starts with ``rid``
+    prefix: bool = False  # fork-only (core.sglang_protocol): abort every rid that starts with ``rid``
 
 
 class PauseGenerationReqInput(_Body):
@@ -138,10 +162,12 @@ class UnloadLoRAAdapterReqInput(_Body):
 class LoadLoRAAdapterFromTensorsReqInput(_Body):
     lora_name: str
     config_dict: dict[str, Any]
-    serialized_tensors: str
+    # One entry per TP rank (this engine has one and reads entry 0); engine.tensor_wire says what an entry holds.
+    serialized_named_tensors: list[str] = Field(min_length=1)
     pinned: bool = False
     added_tokens_config: dict[str, Any] | None = None
-    load_format: str | None = None
+    load_format: str | None = None  # SGLang's "flattened_bucket" packing: refused, not implemented here
+    expected_checksums: dict[str, str] | None = None  # tensor name -> sha256 of its bytes, checked before loading
 
 
 class _WeightUpdate(_Body):
@@ -204,8 +230,10 @@ class UpdateWeightsFromDistributedReqInput(_BroadcastTensors, _WeightUpdate):
 
 
 class LoadLoRAAdapterFromDistributedReqInput(_BroadcastTensors):
+    """A fork-only route (core.sglang_protocol.FORK_ONLY); its fields are the fork's."""
+
     lora_name: str
     config_dict: dict[str, Any]
     pinned: bool = False
-    upsert: bool = False  # sglang-miles: replace the weights of a loaded adapter in place, no unload
+    upsert: bool = False  # fork-only: replace the weights of a loaded adapter in place, no unload
     added_tokens_config: dict[str, Any] | None = None

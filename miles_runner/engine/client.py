@@ -1,9 +1,12 @@
 """One async client for SGLang's HTTP protocol: real SGLang, the embedded engine, or a router in front.
 
-Every payload is one that real SGLang accepts (reference: sglang-api.md); optional fields are sent only when
-they carry a non-default value, so older builds that lack them keep working. Errors come back typed:
-`EngineError` for an HTTP error answer (either SGLang error envelope), `EngineUnavailable` when the engine
-could not be reached or did not answer in time.
+Every payload is one that the pinned SGLang release (core.sglang_protocol.SGLANG_VERSION) accepts and reads in
+full, checked against its own request classes by tests/engine/test_wire_format.py; the fork-only fields and
+routes (core.sglang_protocol.FORK_ONLY) are used only by plans for the sglang-miles fork. Optional fields are
+sent only when they carry a non-default value, so older builds that lack them keep working.
+
+Errors come back typed: `EngineError` for an HTTP error answer (either SGLang error envelope),
+`EngineUnavailable` when the engine could not be reached or did not answer in time.
 
 Abort, pause, weight and LoRA calls must go to each engine, never through the router (it does not fan them
 out); `miles_runner.engine.router.list_workers` gives the engine URLs behind a router.
@@ -182,8 +185,8 @@ class EngineClient:
 
     async def abort_request(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> None:
         """POST /abort_request. SGLang aborts every request whose rid starts with `rid`, but only when `rid`
-        exactly matches a tracked request, unless `prefix` is set (sglang-miles builds and the embedded
-        engine). Aborted requests return to their callers with finish_reason type "abort"."""
+        exactly matches a tracked request, unless `prefix` is set (a fork-only field: core.sglang_protocol).
+        Aborted requests return to their callers with finish_reason type "abort"."""
         if not rid and not abort_all:
             raise ValueError("abort_request needs a rid or abort_all=True")
         body: dict[str, Any] = {"rid": rid, "abort_all": abort_all}
@@ -224,14 +227,15 @@ class EngineClient:
         return await self._call("POST", "/unload_lora_adapter", json={"lora_name": name})
 
     async def load_lora_adapter_from_tensors(
-        self, name: str, config: Mapping[str, Any], serialized: str, *, pinned: bool = False
+        self, name: str, config: Mapping[str, Any], serialized_named_tensors: Sequence[str], *, pinned: bool = False
     ) -> dict[str, Any]:
-        """POST /load_lora_adapter_from_tensors: `config` is the PEFT adapter_config dict, `serialized` the
-        MultiprocessingSerializer string of {name: tensor} (same node only)."""
+        """POST /load_lora_adapter_from_tensors: `config` is the PEFT adapter_config dict, and
+        `serialized_named_tensors` one serialized copy of {name: tensor} per TP rank, each rank reading its own
+        (engine.tensor_wire.lora_tensor_payloads makes them for either engine kind)."""
         body: dict[str, Any] = {
             "lora_name": name,
             "config_dict": dict(config),
-            "serialized_tensors": serialized,
+            "serialized_named_tensors": _per_rank(serialized_named_tensors),
         }
         if pinned:
             body["pinned"] = True
@@ -250,9 +254,10 @@ class EngineClient:
         pinned: bool = False,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """POST /load_lora_adapter_from_distributed (sglang-miles): only the metadata travels here; rank 0 of
-        `group_name` broadcasts the tensors, in `names` order, while this call waits. `dtypes` are names
-        without "torch." ("bfloat16"). `upsert` replaces a loaded adapter's weights in place (no unload)."""
+        """POST /load_lora_adapter_from_distributed, a route only the sglang-miles fork serves
+        (core.sglang_protocol.FORK_ONLY): only the metadata travels here; rank 0 of `group_name` broadcasts the
+        tensors, in `names` order, while this call waits. `dtypes` are names without "torch." ("bfloat16").
+        `upsert` replaces a loaded adapter's weights in place (no unload)."""
         body: dict[str, Any] = {
             "lora_name": name,
             "config_dict": dict(config),
@@ -294,7 +299,7 @@ class EngineClient:
     ) -> dict[str, Any]:
         """POST /update_weights_from_tensor: one MultiprocessingSerializer string per TP rank."""
         body: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
+            "serialized_named_tensors": _per_rank(serialized_named_tensors),
             **_weight_update_body(weight_version, flush_cache, abort_all_requests),
         }
         if load_format is not None:
@@ -454,6 +459,13 @@ def _weight_update_body(weight_version: str | None, flush_cache: bool, abort_all
     if weight_version is not None:
         body["weight_version"] = weight_version
     return body
+
+
+def _per_rank(serialized_named_tensors: Sequence[str]) -> list[str]:
+    # A lone string would turn into a list of characters: SGLang's field is a list, one entry per TP rank.
+    if isinstance(serialized_named_tensors, str | bytes):
+        raise TypeError("serialized_named_tensors takes one serialized string per TP rank: pass a list")
+    return list(serialized_named_tensors)
 
 
 def _tensor_metadata(

@@ -7,6 +7,13 @@ consistent-hashing policy on its command line.
 
 The router does not fan out abort, pause, weight or LoRA calls: send those to each engine from
 `list_workers`.
+
+It rebuilds the body of every generation request from its own request types (measured with the 0.3.2
+binary; `route_typed_request` in sgl-router), so fields those types lack never reach the engine:
+/generate drops `return_routed_experts`, `routed_experts_start_len` and `return_prompt_token_ids`;
+/v1/chat/completions also drops `input_ids`, `return_meta_info`, `rid` and `extra_key` and sends
+`skip_special_tokens: true`. Replies pass through unchanged. This is why the session server sends its turns
+to the workers themselves (session/upstream.py).
 """
 
 from __future__ import annotations
@@ -45,8 +52,6 @@ def router_argv(
     return [executable, *argv[1:], *extra]
 
 
-
-
 def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Sequence[str], timeout_s: float) -> None:
     """Block until the router lists every one of `worker_urls`; else stop it and raise ProcessStartError.
 
@@ -75,22 +80,25 @@ def ensure_worker(router_url: str, worker_url: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
-def worker_urls_of(body: Any) -> list[str]:
-    """Worker URLs from GET /workers (`{"workers": [{"url"}]}`) or legacy GET /list_workers (`{"urls"}`)."""
+def worker_urls_of(body: Any, *, healthy_only: bool = False) -> list[str]:
+    """Worker URLs from GET /workers (`{"workers": [{"url", "is_healthy"}]}`) or legacy GET /list_workers
+    (`{"urls"}`, which reports no health)."""
     if "workers" in body:
-        return [worker["url"].rstrip("/") for worker in body["workers"]]
+        workers = [w for w in body["workers"] if w.get("is_healthy", True) or not healthy_only]
+        return [worker["url"].rstrip("/") for worker in workers]
     return [url.rstrip("/") for url in body["urls"]]
 
 
-async def list_workers(router_url: str, *, timeout_s: float = 10.0) -> list[str]:
-    """The engine URLs behind a router: GET /workers, or /list_workers on routers that predate it."""
+async def list_workers(router_url: str, *, timeout_s: float = 10.0, healthy_only: bool = False) -> list[str]:
+    """The engine URLs behind a router: GET /workers, or /list_workers on routers that predate it;
+    `healthy_only` leaves out the workers the router marks unhealthy (it stops routing to them)."""
     async with EngineClient(router_url, timeout_s=timeout_s) as router:
         response = await router.request("GET", "/workers")
         if response.status_code == 404:
             response = await router.request("GET", "/list_workers")
         if response.is_error:
             raise engine_error(response)
-        return worker_urls_of(response.json())
+        return worker_urls_of(response.json(), healthy_only=healthy_only)
 
 
 def _registered_workers(http: httpx.Client) -> list[str]:

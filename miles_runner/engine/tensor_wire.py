@@ -1,20 +1,32 @@
-"""How tensors travel in a JSON body to the embedded engine (LoRA and base weights from the trainer).
+"""How tensors travel in a JSON body to an engine (LoRA and base weights from the trainer).
 
-Real SGLang takes ``MultiprocessingSerializer`` pickles (CUDA IPC handles; same node only). The embedded
-engine is CPU-only and must not unpickle request bodies, so it takes a **base64 string of a safetensors
-blob** instead: name -> tensor, any dtype safetensors supports, shapes preserved. The same string is used for
+SGLang 0.5.23's shape, which both engines take: `serialized_named_tensors` is a list with one entry per TP rank
+(rank r reads entry r only), and each entry is a base64 string (io_struct: `Annotated[List[bytes],
+Base64Bytes()]`; the HTTP body is JSON, so bytes travel as base64). The entries are the same on every route:
 
-- ``/load_lora_adapter_from_tensors``: ``serialized_tensors`` = ``serialize_lora_tensors(peft_state_dict)``
-  (keys as ``peft.get_peft_model_state_dict`` gives them, e.g. ``base_model.model.model.layers.0.
-  self_attn.q_proj.lora_A.weight``), next to ``config_dict`` (the adapter's ``LoraConfig`` as a dict);
-- ``/update_weights_from_tensor``: ``serialized_named_tensors`` = ``[serialize_named_tensors(...)]`` (one
-  entry per TP rank; the embedded engine has one), keys as the HF model's parameter names.
+- `/load_lora_adapter_from_tensors`: the adapter, `{name: tensor}` with keys as
+  `peft.get_peft_model_state_dict` gives them (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`),
+  next to `config_dict` (its `LoraConfig` as a dict);
+- `/update_weights_from_tensor`: base weights, keys as the HF model's parameter names.
+
+The one difference, by engine kind, is what the base64 text decodes to:
+
+- sglang: `MultiprocessingSerializer` bytes (a ForkingPickler pickle of CUDA IPC handles) of a dict
+  name -> tensor for LoRA, of a list of (name, tensor) pairs for base weights;
+- embedded: a safetensors blob of name -> tensor, for both.
+
+SGLang's bytes are a pickle of CUDA IPC handles: valid only on the same node and GPU, and unpickled by the
+server. The embedded engine runs on CPU and never unpickles a request body, so it takes safetensors instead:
+same field, same list per rank, same base64 text, a different (data-only) payload inside. Each serializer makes
+a fresh copy per rank, as SGLang's own Engine does, so each rank can release its copy independently.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load, save
@@ -23,7 +35,8 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def serialize_named_tensors(named_tensors: NamedTensors) -> str:
-    """Pack ``{name: tensor}`` (or ``(name, tensor)`` pairs) into a base64 safetensors string."""
+    """Pack ``{name: tensor}`` (or ``(name, tensor)`` pairs) into a base64 safetensors string: one entry of
+    ``serialized_named_tensors`` for the embedded engine."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     plain = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in items}
     return base64.b64encode(save(plain)).decode("ascii")
@@ -38,5 +51,34 @@ def deserialize_named_tensors(payload: str) -> dict[str, torch.Tensor]:
 
 
 def serialize_lora_tensors(named_tensors: NamedTensors) -> str:
-    """The ``serialized_tensors`` field of ``/load_lora_adapter_from_tensors`` for the embedded engine."""
+    """One entry of ``/load_lora_adapter_from_tensors``'s ``serialized_named_tensors`` for the embedded engine."""
     return serialize_named_tensors(named_tensors)
+
+
+def lora_tensor_payloads(engine_kind: str, named_tensors: Mapping[str, Any], tp_size: int) -> list[str]:
+    """``serialized_named_tensors`` of ``/load_lora_adapter_from_tensors`` for an engine of `engine_kind` with
+    `tp_size` ranks: one copy per rank (see the table above for what each entry holds)."""
+    if engine_kind == "embedded":
+        return [serialize_lora_tensors(named_tensors) for _ in range(tp_size)]
+    from sglang.srt.utils import MultiprocessingSerializer  # the gpu extra only
+
+    return [MultiprocessingSerializer.serialize(dict(named_tensors), output_str=True) for _ in range(tp_size)]
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """The sha256 `expected_checksums` carries for a tensor: of its raw bytes, as SGLang computes it."""
+    raw = tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def check_tensor_checksums(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, str]) -> None:
+    """SGLang's `expected_checksums` check on received tensors: a ValueError names what differs, is missing or
+    was not expected."""
+    missing = [name for name in expected if name not in tensors]
+    differ = [name for name in expected if name in tensors and tensor_checksum(tensors[name]) != expected[name]]
+    extra = [name for name in tensors if name not in expected]
+    if missing or differ or extra:
+        raise ValueError(
+            f"adapter sync mismatch of {len(expected)} expected tensors: {len(differ)} differ {differ[:5]}, "
+            f"{len(missing)} missing {missing[:5]}, {len(extra)} unexpected {extra[:5]}"
+        )

@@ -2,9 +2,9 @@
 
 A `NodeAgent` actor runs the local executor's start-up (engines -> router -> session server, health-checked)
 on its node and stops everything when asked or when Ray tears it down. Without `executor.ray_address` a
-private Ray is started on loopback for the run and shut down after it. This build places every component on
-the head node: a multi-node plan is refused at start with that reason (cross-node placement needs per-node
-agents and routable addresses, which the plan does not render yet).
+private Ray is started on loopback for the run and shut down after it. This release places every component on
+the head node: the plan rule multi-node-ray-not-built refuses a multi-node plan (cross-node placement needs
+per-node agents and routable addresses: issue 12).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miles_runner.core.errors import ComponentFailure
 from miles_runner.executors.local import Deployment, Executor, LocalExecutor
 from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
 
@@ -33,6 +34,9 @@ class NodeAgentBody:
     def restart_dead_engines(self) -> list[int]:
         return self.executor.restart_dead_engines()
 
+    def dead_components(self) -> list[ComponentFailure]:
+        return self.executor.dead_components()
+
 
 class RayExecutor(Executor):
     def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
@@ -44,11 +48,6 @@ class RayExecutor(Executor):
     def start(self) -> Deployment:
         import ray
 
-        if self.plan.cluster.nodes > 1:
-            raise RuntimeError(
-                f"executor=ray in this build places every component on one node; the plan spans "
-                f"{self.plan.cluster.nodes} nodes"
-            )
         if not ray.is_initialized():
             address = self.plan.executor.ray_address or None
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
@@ -68,6 +67,11 @@ class RayExecutor(Executor):
         import ray
 
         return ray.get(self.agent.restart_dead_engines.remote())
+
+    def dead_components(self) -> list[ComponentFailure]:
+        import ray
+
+        return ray.get(self.agent.dead_components.remote(), timeout=60) if self.agent is not None else []
 
     def stop(self) -> None:
         import ray

@@ -54,7 +54,8 @@ def run_local_grpo(config: LocalRunConfig, on_step: Callable[[int, dict[str, flo
     a = config.adapter
     settings = TrainerSettings(a, config.algorithm, config.optimizer, group_size=a.n_samples_per_prompt,
                                global_batch_size=0, micro_batch_size=config.micro_batch_size,
-                               temperature=config.sampling.temperature, seed=config.seed)
+                               temperature=config.sampling.temperature, seed=config.seed,
+                               routing_replay=config.sampling.return_routed_experts)  # R3: replay what was recorded
     trainer = FSDPTrainer(config.model_path, settings)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path, padding_side="left")
     task, reward_fn = make_task(a.task, config.seed, a.data), get_reward(a.reward)

@@ -1,9 +1,15 @@
 """The training loop (spec §7): rollout -> reward -> advantages -> train -> sync adapter -> log -> checkpoint.
 
-`sync` driver (train.py): each step generates with the weights just trained, so samples are on-policy.
+`sync` driver (train.py): each step generates with the weights of the last push.
 `async` driver (train_async.py, disaggregated only): step n+1 is generated while step n trains, so its samples
-are one weight version old; the staleness check (plan.sync.max_weight_staleness) is what allows that.
-Every sample carries the weight_version that generated it; older than the allowed staleness is rejected.
+are at least one weight version old.
+The adapter is pushed after every `update_weights_interval` steps (train_async.py's `(rollout_id + 1) % interval`)
+and after the last step, so the engines end on the adapter the run saves. The weight version is the number of
+steps trained, so a batch lags the trainer by up to interval - 1 versions, plus one under the async driver
+(plan.sync.staleness_bound): every step records the version that generated its rollout and the one it trained at,
+and a batch beyond the bound stops the run. Every push is verified (lora/verify.py): each engine reports the new
+version, and with plan.sync.verify the first batch generated entirely with a push must match the trainer's
+logprobs before the trainer takes a step on it.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from miles_runner.engine.client import EngineClient
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
 from miles_runner.lora.sync import make_sync
+from miles_runner.lora.verify import GapCheck, SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.rollout.agentic import rollout_agentic
-from miles_runner.rollout.context import RolloutContext
+from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.tracking.tracker import Tracker
@@ -32,13 +39,25 @@ class StaleSamplesError(RuntimeError):
     pass
 
 
-def check_staleness(samples: list[Sample], version: int, max_staleness: int) -> None:
-    oldest = min(int(v) for s in samples for v in (s.weight_versions or [str(version)]))
+def rollout_version(samples: list[Sample], default: int) -> int:
+    """The oldest weight version any token of the batch was generated with (`default` when none says)."""
+    return min(int(v) for s in samples for v in (s.weight_versions or [str(default)]))
+
+
+def check_staleness(samples: list[Sample], version: int, max_staleness: int) -> int:
+    """The batch's staleness at trainer version `version`; StaleSamplesError beyond `max_staleness`."""
+    oldest = rollout_version(samples, version)
     if version - oldest > max_staleness:
         raise StaleSamplesError(
-            f"samples from weight version {oldest} are {version - oldest} versions old at version {version}; "
-            f"rollout.max_weight_staleness={max_staleness}"
+            f"samples from weight version {oldest} are {version - oldest} versions old at version {version}; the "
+            f"plan allows {max_staleness} (weight_sync.update_weights_interval - 1, plus one for the async driver)"
         )
+    return version - oldest
+
+
+def push_due(done: int, total: int, interval: int) -> bool:
+    """Whether the adapter is pushed after `done` steps: every `interval` steps, and after the last one."""
+    return done % interval == 0 or done == total
 
 
 class SingleAdapterLoop:
@@ -62,7 +81,7 @@ class SingleAdapterLoop:
     async def _run_with(self, trainer, deployment) -> list[dict[str, Any]]:
         plan = self.plan
         engines = [EngineClient(url) for url in deployment.engine_urls]
-        rollout_client = EngineClient(deployment.rollout_url)
+        rollout_client = rollout_workers(plan, deployment.engine_urls)  # groups spread over the engines
         ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
         stream = PromptStream(ctx.task)
         start = 0
@@ -73,9 +92,11 @@ class SingleAdapterLoop:
             start = meta["step"]
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
         sync = make_sync(plan, engines, plan.adapters[0].lora_name)
+        self.gap_check = GapCheck(plan.sync.max_logprob_gap, deployment.engine_urls) if plan.sync.verify else None
         self.initial_adapter = trainer.adapter_state()
         try:
-            await sync.push(self.initial_adapter, trainer.adapter_config(), start)
+            # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
+            await self._push(sync, self.initial_adapter, trainer, start, what=f"the push before step {start}")
             await self._steps(trainer, sync, ctx, stream, start)
             trainer.save_adapter(self.run_dir / "adapter")
         finally:
@@ -89,11 +110,12 @@ class SingleAdapterLoop:
         plan, total = self.plan, self.plan.batch.num_steps
         overlap = plan.sync.driver == "async"
         pending = self._start_rollout(ctx, stream) if start < total else None
-        for step in range(start, total):
+        for step in range(start, total):  # the trainer holds weight version `step` (steps trained so far)
             self.tracker.phase(step, "rollout")
             samples, rollout_metrics = await pending
             pending = None
-            check_staleness(samples, step, plan.sync.max_weight_staleness)
+            staleness = check_staleness(samples, step, plan.sync.staleness_bound)
+            verify_metrics = await self._verify(trainer, samples, step)  # before any step is taken on the batch
             more = step + 1 < total
             if overlap and more:  # generate the next batch with the current weights while this one trains
                 pending = self._start_rollout(ctx, stream)
@@ -101,11 +123,15 @@ class SingleAdapterLoop:
             started = time.perf_counter()
             train_metrics = await asyncio.to_thread(trainer.train, samples)
             train_s = time.perf_counter() - started
-            if pending is not None:
-                await asyncio.wait([pending])  # spec: the update waits for the in-flight generation
-            self.tracker.phase(step, "sync")
-            report = await self._sync(trainer, sync, step + 1)
-            self.tracker.step_done(step, step_record(step, samples, rollout_metrics, train_metrics, train_s, report))
+            sync_metrics = {}
+            if push_due(step + 1, total, plan.sync.update_weights_interval):
+                if pending is not None:
+                    await asyncio.wait([pending])  # spec: the update waits for the in-flight generation
+                self.tracker.phase(step, "sync")
+                sync_metrics = await self._sync(trainer, sync, step + 1)
+            record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
+            record.update({"weight_version": self.engine_version, **verify_metrics, **sync_metrics})
+            self.tracker.step_done(step, record)
             if self._checkpoint_due(step + 1):
                 self.tracker.phase(step, "checkpoint")
                 self._checkpoint(trainer, stream, step + 1, taken_ahead=pending is not None)
@@ -126,11 +152,33 @@ class SingleAdapterLoop:
         return samples, {"rollout/seconds": seconds, "rollout/tokens": tokens,
                          "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
 
-    async def _sync(self, trainer, sync, version: int):
+    async def _sync(self, trainer, sync, version: int) -> dict[str, float]:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
         # versions run as usual, only the trained weights never reach the rollouts.
         tensors = self.initial_adapter if self.freeze_adapter else trainer.adapter_state()
-        return await sync.push(tensors, trainer.adapter_config(), version)
+        report = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
+        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds}
+
+    async def _push(self, sync, tensors, trainer, version: int, *, what: str):
+        try:
+            report = await sync.push(tensors, trainer.adapter_config(), version)
+        except SyncVerificationError as error:
+            raise SyncVerificationError(f"{what}: {error}") from None
+        self.engine_version = version
+        if self.gap_check is not None:
+            self.gap_check.pushed(version)
+        return report
+
+    async def _verify(self, trainer, samples: list[Sample], step: int) -> dict[str, float]:
+        """The logprob gap of the first batch generated entirely with the latest push (the trainer holds exactly
+        those weights until it trains on it); SyncVerificationError beyond the plan's tolerance."""
+        fresh = self.gap_check.fresh(samples) if self.gap_check is not None else []
+        if not fresh:
+            return {}
+        started = time.perf_counter()
+        log_probs = await asyncio.to_thread(trainer.compute_log_probs, fresh)
+        gap = self.gap_check.check(fresh, log_probs, what=f"step {step}")
+        return {"verify/logprob_gap": gap, "verify/seconds": time.perf_counter() - started}
 
     def _checkpoint_due(self, done: int) -> bool:
         interval = self.plan.checkpoint.interval
@@ -145,16 +193,13 @@ class SingleAdapterLoop:
                         keep_last=self.plan.checkpoint.keep_last)
 
 
-def step_record(step, samples, rollout_metrics, train_metrics, train_s, report) -> dict[str, Any]:
+def step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness: int) -> dict[str, Any]:
+    """The step's metrics: the rollout generated at `rollout/weight_version`, trained at `train/weight_version`
+    (= step), `train/weight_staleness` apart."""
     rewards = [s.reward or 0.0 for s in samples]
-    oldest = min(int(v) for s in samples for v in (s.weight_versions or [str(step)]))
     record: dict[str, Any] = {"step": step, "reward/mean": sum(rewards) / len(rewards), **rollout_metrics,
-                              "rollout/staleness": step - oldest}
+                              "rollout/weight_version": step - staleness}
     record.update({f"train/{k}": v for k, v in train_metrics.items() if k not in ("step", "reward_mean")})
-    record["train/seconds"] = train_s
+    record.update({"train/seconds": train_s, "train/weight_version": step, "train/weight_staleness": staleness})
     record["train/logprob_abs_diff"] = train_metrics.get("rollout_logprob_abs_diff")
-    record["weight_version"] = report.version
-    record["sync/seconds"] = report.seconds
     return record
-
-

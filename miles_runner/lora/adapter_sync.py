@@ -1,7 +1,8 @@
 """The adapter sync protocol every strategy shares, once before the loop and after every train step (spec §3.2 and §7).
 
     pause_generation(mode) -> flush_cache (colocated: always; disaggregated: unless in_place) -> push
-    -> update_weight_version -> continue_generation (always, even when the push failed)
+    -> update_weight_version -> every engine reports that version (verify.py) -> continue_generation (always,
+    even when the push failed)
 
 One interface, two strategies: colocated engines receive the adapter tensors in the request
 (`/load_lora_adapter_from_tensors`, unload first, spec §3.2 colocated path); disaggregated engines receive
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_runner.engine.client import EngineClient, EngineError
+from miles_runner.lora.verify import check_engine_versions
 from miles_runner.plan.model import Plan
 
 FLUSH_RETRY_S = 0.05
@@ -30,6 +32,7 @@ class SyncReport:
     seconds: float
     engines: int
     bytes: int
+    verify_seconds: float  # asking every engine for its weight version after the push
 
 
 def tensor_bytes(tensors: Mapping[str, Any]) -> int:
@@ -46,6 +49,7 @@ class AdapterSync:
         self.clients = list(clients)
         self.lora_name = lora_name
         self.engine_kind = plan.engines[0].kind
+        self.engine_tp = plan.engines[0].tp  # tensors travel as one serialized copy per TP rank
         self.pause_mode = plan.sync.pause_generation_mode
         self.flush = plan.sync.flush_cache
         self.flush_timeout_s = flush_timeout_s
@@ -65,9 +69,13 @@ class AdapterSync:
             await self.load(tensors, config, name)
             self.loaded.add(name)
             await self._each(lambda c: c.update_weight_version(str(version)))
+            checked = time.perf_counter()
+            await check_engine_versions(self.clients, version)  # each engine, not the router
+            verify_s = time.perf_counter() - checked
         finally:
             await self._each(lambda c: c.continue_generation())
-        return SyncReport(version, time.perf_counter() - start, len(self.clients), tensor_bytes(tensors))
+        seconds = time.perf_counter() - start
+        return SyncReport(version, seconds, len(self.clients), tensor_bytes(tensors), verify_s)
 
     async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
         raise NotImplementedError

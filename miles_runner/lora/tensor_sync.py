@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.tensor_wire import serialize_lora_tensors
+from miles_runner.engine.tensor_wire import lora_tensor_payloads
 from miles_runner.lora.adapter_sync import AdapterSync, unload_quietly
 
 
@@ -14,7 +14,7 @@ class TensorSync(AdapterSync):
     """Colocated: unload, then load the adapter from tensors handed over in the request."""
 
     async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
-        payload = serialize_adapter(self.engine_kind, tensors)
+        payload = lora_tensor_payloads(self.engine_kind, tensors, self.engine_tp)
 
         async def reload(client: EngineClient) -> None:
             if name in self.loaded:
@@ -23,12 +23,3 @@ class TensorSync(AdapterSync):
 
         await self._each(reload)
 
-
-def serialize_adapter(engine_kind: str, tensors: Mapping[str, Any]) -> Any:
-    """The `serialized_tensors` field as each engine kind expects it: a base64 safetensors blob for the
-    embedded engine (it never unpickles a request), SGLang's MultiprocessingSerializer (CUDA IPC) on a GPU."""
-    if engine_kind == "embedded":
-        return serialize_lora_tensors(tensors)
-    from sglang.srt.utils import MultiprocessingSerializer  # GPU extra only
-
-    return MultiprocessingSerializer.serialize(list(tensors.items()), output_str=True)

@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from miles_runner.core.paths import model_cache_dir
+from miles_runner.core.tiny_shapes import TINY_SHAPES
 
 TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense")
 # Bump when the builder's output changes, so cached folders are rebuilt.
@@ -37,7 +38,7 @@ BUILDER_VERSION = 1
 COMPLETE_MARKER = "tiny_model.json"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOKENIZER_VOCAB_SIZE = 400
+TOKENIZER_VOCAB_SIZE = TINY_SHAPES["tiny-moe"]["vocab_size"]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -111,29 +112,19 @@ def build_tokenizer(out_dir: Path) -> int:
 
 
 def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, init_std: float):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        initializer_range=init_std,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        bos_token_id=None,
-        eos_token_id=token_ids["<|im_end|>"],
-        pad_token_id=token_ids["<|endoftext|>"],
-    )
-    if dense:
+    shape = dict(TINY_SHAPES["tiny-dense" if dense else "tiny-moe"])
+    if vocab_size != shape["vocab_size"]:
+        raise RuntimeError(f"the embedded tokenizer has {vocab_size} tokens; TINY_SHAPES says {shape['vocab_size']}")
+    model_type = shape.pop("model_type")
+    extra = dict(initializer_range=init_std, tie_word_embeddings=False, sliding_window=None, bos_token_id=None,
+                 eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"])
+    if model_type == "qwen3":
         from transformers import Qwen3Config
 
-        return Qwen3Config(**common)
+        return Qwen3Config(**shape, **extra)
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**common, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    return Qwen3MoeConfig(**shape, **extra)
 
 
 def build_tiny_model(out_dir: str | Path, *, dense: bool = False, seed: int = 0, init_std: float = 0.1) -> Path:

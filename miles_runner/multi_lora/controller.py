@@ -9,38 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from miles_runner.core.adapters import AdapterLimits, rid_prefix
 from miles_runner.engine.client import EngineClient
-from miles_runner.engine.router import list_workers
+from miles_runner.engine.workers import WorkerSource
 from miles_runner.multi_lora.config import AdapterDefaults, resolve_adapter_config
 from miles_runner.multi_lora.registry import AdapterRegistry, AdapterState, RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
-WorkerSource = Callable[[], Awaitable[list[str]]]
 ABORT_TIMEOUT_S = 30.0
-
-
-def fixed_workers(urls: Sequence[str]) -> WorkerSource:
-    """The engines are known up front (the plan lists them)."""
-    frozen = [url.rstrip("/") for url in urls]
-
-    async def workers() -> list[str]:
-        return list(frozen)
-
-    return workers
-
-
-def router_workers(router_url: str) -> WorkerSource:
-    """The engines are whatever the router lists right now (aborts must go to each engine, not the router)."""
-
-    async def workers() -> list[str]:
-        return await list_workers(router_url)
-
-    return workers
 
 
 class MultiLoRAController:

@@ -17,8 +17,9 @@ from typing import Any
 
 from miles_runner.config.schema import AdaptersConfig
 from miles_runner.core.adapters import AdapterLimits
+from miles_runner.engine.workers import fixed_workers, router_workers
 from miles_runner.multi_lora.config import AdapterDefaults, plan_overrides
-from miles_runner.multi_lora.controller import MultiLoRAController, fixed_workers, router_workers
+from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
 from miles_runner.plugins.lookup import registered

@@ -11,11 +11,18 @@ from typing import Any
 
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.config.provenance import format_value
-from miles_runner.config.schema import MilesConfig, lookup
+from miles_runner.config.schema import MilesConfig, OptimizerConfig, lookup
 from miles_runner.core.adapters import AdapterSpec, adapter_spec
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan import render
-from miles_runner.plan.derive import Derived, adapter_value, adapter_values, derive, resolve_data_path
+from miles_runner.plan.derive import (
+    Derived,
+    absolute_path,
+    adapter_value,
+    adapter_values,
+    derive,
+    resolve_data_path,
+)
 from miles_runner.plan.model import (
     BatchPlan,
     Capabilities,
@@ -29,17 +36,30 @@ from miles_runner.plan.model import (
     SessionPlan,
     SyncPlan,
     TrainerPlan,
+    resolve_max_logprob_gap,
+    resolve_verify,
 )
-from miles_runner.plan.rules import PRECONDITIONS, RULES
+from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES
 
 LOOPBACK = "127.0.0.1"
 
 
 def compile_plan(composed: ComposedConfig) -> Plan:
+    """The plan this release runs: every rule, including the refusals of what it has not built."""
+    return _compile(composed, RULES)
+
+
+def compile_design(composed: ComposedConfig) -> Plan:
+    """The plan a release with everything built would run: every rule except the NOT_BUILT refusals. For
+    reviewing GPU recipes (golden plans, rule tables); never executed: runs always go through compile_plan."""
+    return _compile(composed, {rule_id: check for rule_id, check in RULES.items() if rule_id not in NOT_BUILT})
+
+
+def _compile(composed: ComposedConfig, rules: dict) -> Plan:
     cfg = composed.config
     check_rules(PRECONDITIONS, composed, None)
     d = derive(cfg)
-    check_rules(RULES, composed, d)
+    check_rules(rules, composed, d)
     return build_plan(cfg, d, composed.recipe)
 
 
@@ -79,7 +99,6 @@ def display_setting(key: str, composed: ComposedConfig) -> tuple[str, Any]:
 def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
     engines = build_engines(cfg, d)
     router = build_router(cfg, d, engines)
-    upstream = router.launch.url if router else engines[0].launch.url
     adapters = build_adapters(cfg, d)
     return Plan(
         name=cfg.run.name,
@@ -95,7 +114,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         trainer=build_trainer(cfg, d),
         engines=engines,
         router=router,
-        session=build_session(cfg, d, upstream),
+        session=build_session(cfg, d, router, engines),
         multi_lora=build_multi_lora(cfg, d),
         adapters=adapters,
         batch=build_batch(cfg, d),
@@ -107,6 +126,8 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
             max_weight_staleness=cfg.rollout.max_weight_staleness,
             driver=cfg.rollout.driver,
             fully_async=cfg.rollout.fully_async,
+            verify=resolve_verify(cfg.weight_sync.verify, cfg.rollout.driver, d.multi_lora),
+            max_logprob_gap=resolve_max_logprob_gap(cfg.weight_sync.max_logprob_gap, cfg.engine.kind),
         ),
         capabilities=Capabilities(
             lora_enabled=d.lora_enabled,
@@ -121,11 +142,16 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         ),
         rollout=dataclasses.replace(cfg.rollout, data=resolve_data_path(cfg.rollout.data)),
         algorithm=cfg.algorithm,
-        optimizer=cfg.optimizer,
+        optimizer=build_optimizer(cfg, d),
         checkpoint=cfg.checkpoint,
         executor=cfg.executor,
         logger=cfg.logger,
     )
+
+
+def build_optimizer(cfg: MilesConfig, d: Derived) -> OptimizerConfig:
+    """Multi-LoRA keeps each slot's optimizer whole on every rank: miles forces use_distributed_optimizer off."""
+    return dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False) if d.multi_lora else cfg.optimizer
 
 
 def slot_list(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
@@ -144,12 +170,15 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
         backend=cfg.trainer.backend,
         lora_mode=cfg.lora.mode,
         parallel=Parallelism(
-            p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format
+            p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format,
+            p.recompute,
         ),
         placements=[list(s) for s in trainer_slots(cfg, d)],
         offload_train=d.offload_train,
         offload_target=cfg.trainer.offload_target,
         launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
+        calculate_per_token_loss=cfg.trainer.calculate_per_token_loss,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_gpu if cfg.trainer.use_dynamic_batch_size else 0,
     )
 
 
@@ -170,7 +199,8 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
         env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
         argv = render.engine_argv(cfg, d, host=LOOPBACK, port=port, nnodes=len(nodes))
         launch = Launch(argv, LOOPBACK, port, env, "/health")
-        engines.append(EnginePlan(i, cfg.engine.kind, nodes, ids, tp, cfg.engine.ep_size, launch))
+        engines.append(EnginePlan(i, cfg.engine.kind, cfg.engine.build, nodes, ids, tp, cfg.engine.ep_size, launch,
+                                  cfg.engine.startup_timeout_s))
     return engines
 
 
@@ -182,18 +212,22 @@ def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> Rou
     return RouterPlan(d.router_policy, Launch(argv, LOOPBACK, cfg.router.port, {}, "/health"))
 
 
-def build_session(cfg: MilesConfig, d: Derived, upstream: str) -> SessionPlan | None:
+def build_session(
+    cfg: MilesConfig, d: Derived, router: RouterPlan | None, engines: list[EnginePlan]
+) -> SessionPlan | None:
     if cfg.session.version == "off":
         return None
     # Multi-LoRA sessions name their adapter slot per session; a single adapter is on every turn.
     lora_name = d.engine_lora_names[0] if d.lora_rollout_enabled and not d.multi_lora else None
-    argv = render.session_argv(cfg, d, upstream_url=upstream, lora_name=lora_name)
+    router_url, engine_urls = (router.launch.url if router else None), [e.launch.url for e in engines]
+    argv = render.session_argv(cfg, d, router_url=router_url, engine_urls=engine_urls, lora_name=lora_name)
     return SessionPlan(
         version=cfg.session.version,
         lora_name=lora_name,
         use_addition_r3=d.use_addition_r3,
         return_routed_experts=cfg.rollout.routing_replay,
         tito_model=cfg.session.tito_model,
+        message_matcher=cfg.session.message_matcher,
         launch=Launch(argv, cfg.session.host, cfg.session.port, {}, "/health"),
     )
 
@@ -223,7 +257,8 @@ def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterSpec]:
     if a.kind == "single":
         values = {"rank": a.rank, "alpha": a.alpha, "target_modules": d.target_modules, "task": r.task,
                   "reward": r.reward, "lr": cfg.optimizer.lr, "rollout_batch_size": r.rollout_batch_size,
-                  "n_samples_per_prompt": r.n_samples_per_prompt, "data": resolve_data_path(r.data)}  # fmt: skip
+                  "n_samples_per_prompt": r.n_samples_per_prompt, "data": resolve_data_path(r.data),
+                  "init_path": absolute_path(a.path)}  # fmt: skip
         return [adapter_spec(d.engine_lora_names[0], d.engine_lora_names[0], values, dropout=a.dropout)]
     if a.kind != "multi":
         return []

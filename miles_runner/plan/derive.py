@@ -63,7 +63,8 @@ def derive(cfg: MilesConfig) -> Derived:
     par = cfg.trainer.parallel
     mp = par.tp * par.pp * par.cp
     # Colocated roles take turns on the GPUs, so each offloads while the other runs; no GPU, nothing to free.
-    offload_default = colocated and not multi and not cfg.cluster.cpu_only
+    # Offloading is the Megatron path's (torch_memory_saver on both sides); the FSDP path keeps both resident.
+    offload_default = colocated and not multi and not cfg.cluster.cpu_only and cfg.trainer.backend == "megatron"
     slots = (cfg.adapters.max_slots or len(cfg.adapters.runs)) if multi else 0
     gbs = cfg.algorithm.global_batch_size or cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     return Derived(
@@ -96,7 +97,9 @@ def derive(cfg: MilesConfig) -> Derived:
         max_lora_rank=max_lora_rank(cfg),
         global_batch_size=gbs,
         max_adapter_global_batch_size=4 * gbs,
-        normalize_std=cfg.algorithm.normalize_advantages_by_std and (cfg.rollout.n_samples_per_prompt > 1 or multi),
+        # Only the group estimators divide by the group std (the REINFORCE++ ones whiten the whole batch instead).
+        normalize_std=cfg.algorithm.normalize_advantages_by_std and (cfg.rollout.n_samples_per_prompt > 1 or multi)
+        and cfg.algorithm.advantage_estimator in ("grpo", "gspo"),
         is_moe=cfg.model.num_experts > 0,
         model_path=resolve_model_path(cfg.model.path),
     )
@@ -107,7 +110,9 @@ def _or_default(value: bool | None, default: bool) -> bool:
 
 
 def router_policy(cfg: MilesConfig) -> str:
-    """Sessions must stick to one engine (their KV and in_place requests live there): manual routing by key."""
+    """Sessions must stick to one engine (their KV and in_place requests live there). The session server pins
+    its turns itself (session/upstream.py); what it proxies through the router carries the session's key, which
+    the manual policy keeps on one worker too."""
     if cfg.router.policy != "auto":
         return cfg.router.policy
     return "manual" if cfg.session.version != "off" else "round_robin"
@@ -172,6 +177,11 @@ def resolve_data_path(path: str) -> str:
     path -> absolute (servers run in the run folder); absolute paths and "" as they are."""
     if path.startswith(BUNDLED_SCHEME):
         return str(BUNDLED_DATA / path.removeprefix(BUNDLED_SCHEME))
+    return absolute_path(path)
+
+
+def absolute_path(path: str) -> str:
+    """A file the servers read: they run in the run folder, so a relative path is made absolute; "" stays."""
     return str(Path(path).absolute()) if path else ""
 
 

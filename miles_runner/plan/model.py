@@ -15,6 +15,7 @@ from miles_runner.config.loader import load_dataclass
 from miles_runner.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
+    EngineConfig,
     ExecutorConfig,
     LoggerConfig,
     ModelConfig,
@@ -60,6 +61,7 @@ class Parallelism:
     world_size: int
     micro_batch_size: int
     qkv_format: str
+    recompute: bool = False  # activation recomputation (gradient checkpointing of every decoder layer)
 
 
 @dataclass(frozen=True)
@@ -71,17 +73,22 @@ class TrainerPlan:
     offload_train: bool
     offload_target: str
     launch: Launch
+    calculate_per_token_loss: bool = False  # the loss is the mean over the step's tokens, not over its samples
+    # Micro-batches hold at most this many tokens (first fit), instead of micro_batch_size samples; 0: off.
+    max_tokens_per_micro_batch: int = 0
 
 
 @dataclass(frozen=True)
 class EnginePlan:
     index: int
     kind: str
+    build: str  # stock (the pinned SGLang release) | miles_fork (core.sglang_protocol)
     nodes: list[int]
     slot_ids: list[int]  # GPU ids on the first node (CUDA_VISIBLE_DEVICES)
     tp: int
     ep: int
     launch: Launch
+    startup_timeout_s: float = EngineConfig.startup_timeout_s  # how long it may take to become healthy
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class SessionPlan:
     return_routed_experts: bool
     tito_model: str
     launch: Launch
+    message_matcher: str = "strict"
 
 
 
@@ -134,10 +142,38 @@ class SyncPlan:
     method: str  # tensor (colocated) | broadcast (disaggregated) | p2p | disk-delta
     pause_generation_mode: str
     flush_cache: bool
-    update_weights_interval: int
+    update_weights_interval: int  # the adapter is pushed after every N steps, and after the last one
     max_weight_staleness: int
     driver: str
     fully_async: bool
+    verify: bool  # the logprob gap of the first batch generated with each push, checked before training on it
+    max_logprob_gap: float
+
+    @property
+    def staleness_bound(self) -> int:
+        return staleness_bound(self.update_weights_interval, self.driver)
+
+
+def staleness_bound(update_weights_interval: int, driver: str) -> int:
+    """How many weight versions a trained batch can lag the trainer: the steps between pushes (interval - 1),
+    plus one under the async driver, whose next batch is generated while the current one trains."""
+    return update_weights_interval - 1 + (driver == "async")
+
+
+def resolve_verify(verify: bool | None, driver: str, multi_lora: bool) -> bool:
+    """weight_sync.verify, or when unset: on, unless batches train past the weights that generated them (the
+    async driver, the multi-LoRA producer that runs ahead of the trainer)."""
+    return driver != "async" and not multi_lora if verify is None else verify
+
+
+# The mean |trainer - rollout| logprob a healthy push stays within, by engine kind. The embedded engine runs the
+# trainer's fp32 weights and kernels (healthy gap ~1e-7 on the tiny recipes; one step of a frozen adapter ~0.02);
+# SGLang's bf16 kernels differ from the trainer's (miles's CI allows 0.03 between their mean logprobs).
+DEFAULT_MAX_LOGPROB_GAP = {"embedded": 0.01, "sglang": 0.05}
+
+
+def resolve_max_logprob_gap(max_logprob_gap: float | None, engine_kind: str) -> float:
+    return DEFAULT_MAX_LOGPROB_GAP[engine_kind] if max_logprob_gap is None else max_logprob_gap
 
 
 @dataclass(frozen=True)
@@ -180,7 +216,8 @@ class Plan:
 
     @property
     def rollout_url(self) -> str:
-        """Where rollouts send requests: the router if there is one, else the only engine."""
+        """The router if there is one, else engine 0: the entry for calls any one engine may answer. Generation
+        goes to a worker per prompt group or session instead (engine/workers.py), never through the router."""
         return self.router.launch.url if self.router else self.engines[0].launch.url
 
 

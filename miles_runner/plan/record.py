@@ -15,6 +15,7 @@ import yaml
 
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.faults import active_fault_switches
+from miles_runner.core.sglang_protocol import SGLANG_VERSION
 from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
 
 TRACKED_PACKAGES = (
@@ -58,6 +59,9 @@ def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
         "choices": {g: {"option": p.choices[g], "from": str(o)} for g, o in sorted(p.choice_origins.items())},
         "git": git_state(),
         "fault_switches": active_fault_switches(),  # set only by fault-injection tests
+        # The SGLang protocol the runner speaks (the gpu extra's pin); plan.yaml says whether the engines are the
+        # stock release or the sglang-miles fork (engines[].build).
+        "sglang_protocol_version": SGLANG_VERSION,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": package_versions(),

@@ -7,14 +7,16 @@ and ignores the GPU-only ones), so the plan differs between them only in the mod
 from __future__ import annotations
 
 from miles_runner.config.schema import MilesConfig
-from miles_runner.plan.derive import Derived
+from miles_runner.plan.derive import Derived, absolute_path
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.embedded_engine"}
 def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: int) -> list[str]:
     e = cfg.engine
     argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
+    argv += ["--served-model-name", cfg.model.name]  # what /v1/models and /model_info call the base model
     argv += ["--tp-size", str(e.tp_size), "--random-seed", str(cfg.run.seed)]
+    argv += ["--context-length", str(cfg.model.max_context_len)]
     if e.ep_size > 1:
         argv += ["--ep-size", str(e.ep_size)]
     if e.kind == "sglang":
@@ -25,8 +27,14 @@ def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: i
             argv.append("--disable-cuda-graph")
         if d.offload_rollout:
             argv.append("--enable-memory-saver")
+        if e.fp8_rollout:  # an FP8 base for rollout; the trainer and the adapter stay in bf16 (spec §3.3)
+            argv += ["--quantization", "fp8"]
+        if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:  # spec: LoRA ∧ colocate ∧ flag
+            argv.append("--enable-weights-cpu-backup")
         if nnodes > 1:
             argv += ["--nnodes", str(nnodes), "--node-rank", "0"]
+    else:  # the embedded engine serves as the plan's SGLang build (an SGLang engine is whichever is installed)
+        argv += ["--engine-build", e.build]
     if d.lora_rollout_enabled:
         argv += lora_flags(cfg, d)
     if cfg.rollout.routing_replay:
@@ -42,7 +50,7 @@ def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
     if cfg.engine.kind == "sglang":
         flags += ["--lora-backend", cfg.engine.lora_backend]
     if cfg.adapters.kind == "single" and cfg.adapters.path:
-        flags += ["--lora-paths", f"{d.engine_lora_names[0]}={cfg.adapters.path}"]
+        flags += ["--lora-paths", f"{d.engine_lora_names[0]}={absolute_path(cfg.adapters.path)}"]
     return flags
 
 
@@ -52,11 +60,16 @@ def router_argv(host: str, port: int, policy: str, worker_urls: list[str], *, me
             "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
 
 
-def session_argv(cfg: MilesConfig, d: Derived, *, upstream_url: str, lora_name: str | None) -> list[str]:
+def session_argv(
+    cfg: MilesConfig, d: Derived, *, router_url: str | None, engine_urls: list[str], lora_name: str | None
+) -> list[str]:
     s = cfg.session
-    argv = [PYTHON, "-m", "miles_runner.session.server", "--engine-url", upstream_url, "--model-path", d.model_path]
+    # Each session is pinned to one of the router's workers, else of every engine (session/upstream.py).
+    upstream = ["--router-url", router_url] if router_url else [a for url in engine_urls for a in ("--engine-url", url)]
+    argv = [PYTHON, "-m", "miles_runner.session.server", *upstream, "--model-path", d.model_path]
     argv += ["--host", s.host, "--port", str(s.port), "--version", s.version]
     argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
+    argv += ["--tito-model", s.tito_model, "--message-matcher", s.message_matcher]
     if lora_name:
         argv += ["--lora-name", lora_name]
     if cfg.rollout.routing_replay:

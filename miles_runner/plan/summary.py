@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from miles_runner.core.sglang_protocol import SGLANG_VERSION, STOCK
 from miles_runner.plan.model import Launch, Plan
 
 
@@ -11,17 +12,20 @@ def summarize(plan: Plan, plan_path: str) -> str:
     rows = [
         ("cluster", cluster_line(plan)),
         ("trainer", trainer_line(plan)),
+        ("algorithm", algorithm_line(plan)),
         ("engines", engines_line(plan)),
     ]
     if plan.router:
         rows.append(("router", f"sglang-router on :{plan.router.launch.port}, policy {plan.router.policy}"))
+    rows.append(("rollout", rollout_line(plan)))
     if plan.session:
         rows.append(("session", session_line(plan)))
     if plan.multi_lora:
         m = plan.multi_lora
         names = ", ".join(a.name for a in plan.adapters) or "none yet"
         rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port}"))
-    rows += [("sync", sync_line(plan)), ("batches", batch_line(plan)), ("derived", derived_line(plan))]
+    rows += [("sync", sync_line(plan)), ("verify", verify_line(plan)), ("batches", batch_line(plan)),
+             ("derived", derived_line(plan))]
     width = max(len(k) for k, _ in rows)
     head = f"plan {plan.name} -> {plan_path}"
     return "\n".join([head, *(f" {k:<{width}}  {v}" for k, v in rows), " commands", *command_lines(plan)])
@@ -36,7 +40,8 @@ def cluster_line(plan: Plan) -> str:
 
 def trainer_line(plan: Plan) -> str:
     t, p = plan.trainer, plan.trainer.parallel
-    line = f"{t.backend}, {p.world_size} ranks, TP {p.tp}, EP {p.ep}, PP {p.pp}, CP {p.cp}, DP {p.dp}"
+    ranks = f"{p.world_size} rank{'s' if p.world_size != 1 else ''}"
+    line = f"{t.backend}, {ranks}, TP {p.tp}, EP {p.ep}, PP {p.pp}, CP {p.cp}, DP {p.dp}"
     if plan.adapters and not plan.multi_lora:
         a = plan.adapters[0]
         line += f", LoRA r{a.rank} a{a.alpha:g} via {t.lora_mode} on [{', '.join(a.target_modules)}]"
@@ -45,11 +50,30 @@ def trainer_line(plan: Plan) -> str:
     return line + (", offload " + t.offload_target if t.offload_train else "")
 
 
+def algorithm_line(plan: Plan) -> str:
+    """The estimator, where its KL goes, the optimizer and the loss and micro-batch switches the trainer acts on."""
+    a, t = plan.algorithm, plan.trainer
+    reinforce = a.advantage_estimator.startswith("reinforce_plus_plus")
+    parts = [a.advantage_estimator]
+    if a.kl_coef:
+        parts.append(f"KL {a.kl_coef:g} in the {'reward' if reinforce else 'loss'}")
+    if a.advantage_estimator == "reinforce_plus_plus":
+        parts.append(f"gamma {a.gamma:g}")
+    parts.append(f"{plan.optimizer.name} lr {plan.optimizer.lr:g}")
+    parts.append("per-token loss" if t.calculate_per_token_loss else "per-sample loss")
+    budget = t.max_tokens_per_micro_batch
+    parts.append(f"micro-batches <= {budget} tokens" if budget else f"micro-batches of {t.parallel.micro_batch_size}")
+    if t.parallel.recompute:
+        parts.append("activation recompute")
+    return ", ".join(parts)
+
+
 def engines_line(plan: Plan) -> str:
     e = plan.engines[0]
     kind = "SGLang" if e.kind == "sglang" else "embedded (CPU)"
+    build = f"stock {SGLANG_VERSION}" if e.build == STOCK else "sglang-miles fork"
     flags = e.launch.argv
-    line = f"{len(plan.engines)} x {kind}, TP {e.tp} each"
+    line = f"{len(plan.engines)} x {kind} ({build} protocol), TP {e.tp} each"
     line += ", routed experts on" if "--enable-return-routed-experts" in flags else ""
     if "--max-lora-rank" in flags:
         line += f", max LoRA rank {flags[flags.index('--max-lora-rank') + 1]}"
@@ -64,7 +88,31 @@ def session_line(plan: Plan) -> str:
         adapter = "base model (no LoRA rollout)"
     r3 = "on" if s.use_addition_r3 else "off"
     pause = plan.sync.pause_generation_mode
-    return f"{s.version} on :{s.launch.port}, {adapter}, incremental R3 {r3} (pause mode {pause})"
+    return (
+        f"{s.version} on :{s.launch.port}, {turns_line(plan)}, {adapter}, incremental R3 {r3} (pause mode {pause}), "
+        f"TITO {s.tito_model}, matcher {s.message_matcher}"
+    )
+
+
+def rollout_line(plan: Plan) -> str:
+    """How rollouts reach the engines (engine/workers.py): straight to a worker, never through the router (it
+    drops the R3 request fields)."""
+    if plan.session:
+        return f"agentic episodes through the session server on :{plan.session.launch.port}"
+    return f"single-turn, {pinned(plan, 'prompt group')}, samples as /generate"
+
+
+def turns_line(plan: Plan) -> str:
+    """Where the session server sends turns (session/upstream.py): never through the router, which drops R3."""
+    return f"{pinned(plan, 'session')}, turns as /generate"
+
+
+def pinned(plan: Plan, what: str) -> str:
+    """Where each group or session goes (least-loaded, engine/workers.py): every engine the plan starts serves."""
+    n = len(plan.engines)
+    if plan.router:
+        return f"each {what} pinned to 1 of the router's {n} worker{'s' * (n != 1)} (least-loaded)"
+    return f"each {what} pinned to 1 of {n} engines (least-loaded)" if n > 1 else f"each {what} to the one engine"
 
 
 def sync_line(plan: Plan) -> str:
@@ -74,6 +122,15 @@ def sync_line(plan: Plan) -> str:
         f"{s.method}, pause {s.pause_generation_mode}, {flush}, every {s.update_weights_interval} step(s), "
         f"max staleness {s.max_weight_staleness}, driver {s.driver}" + (", fully async" if s.fully_async else "")
     )
+
+
+def verify_line(plan: Plan) -> str:
+    s = plan.sync
+    why_off = ("the async driver trains every batch past its weights" if s.driver == "async"
+               else "the multi-LoRA producer runs ahead of the trainer" if plan.multi_lora else "weight_sync.verify")
+    gap = (f"logprob gap <= {s.max_logprob_gap:g} on the first batch of each push, before training on it"
+           if s.verify else f"logprob gap off ({why_off})")
+    return f"every engine reports each pushed weight version; {gap}"
 
 
 def batch_line(plan: Plan) -> str:

@@ -21,6 +21,8 @@ from types import TracebackType
 
 import httpx
 
+from miles_runner.core.errors import ComponentFailure
+
 LOG_TAIL_LINES = 40
 _POLL_S = 0.2
 _TAIL_BYTES = 64 * 1024
@@ -28,8 +30,12 @@ _PROC = Path("/proc")
 _running: set[ManagedProcess] = set()
 
 
-class ProcessStartError(RuntimeError):
+class ProcessStartError(ComponentFailure):
     """A supervised process exited early or never became healthy; the message has exit code and log tail."""
+
+    def __str__(self) -> str:
+        header = f"--- last {LOG_TAIL_LINES} lines of {self.log_path} ---"
+        return f"{self.component} {self.reason}\n{header}\n{self.log_tail}"
 
 
 class ManagedProcess:
@@ -138,10 +144,15 @@ class ManagedProcess:
     def start_failed(self, reason: str) -> ProcessStartError:
         """Stop the process (group) and return the error to raise: reason, exit code and log tail."""
         code = self.stop()
-        return ProcessStartError(
-            f"{self.name} {reason} (exit code {code})\n"
-            f"--- last {LOG_TAIL_LINES} lines of {self.log_path} ---\n{self.log_tail()}"
-        )
+        return ProcessStartError(self.name, f"{reason} (exit code {code})", log_path=str(self.log_path),
+                                 log_tail=self.log_tail())
+
+    def died(self) -> ComponentFailure | None:
+        """The failure to report if this process has exited (it never should while its run goes on)."""
+        if self.alive:
+            return None
+        return ComponentFailure(self.name, f"exited with code {self.returncode} while the run was going on",
+                                log_path=str(self.log_path), log_tail=self.log_tail())
 
     def __enter__(self) -> ManagedProcess:
         self.start()

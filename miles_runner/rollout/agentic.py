@@ -99,6 +99,7 @@ def chat_fn(ctx: RolloutContext, client: Any, before_turn: BeforeTurn | None = N
             max_tokens=params["max_new_tokens"],
             temperature=params["temperature"],
             top_p=params["top_p"],
+            extra_body={"top_k": params["top_k"]},  # not an OpenAI parameter; SGLang's chat request takes it
         )
         choice = completion.choices[0]
         if choice.finish_reason == "abort":

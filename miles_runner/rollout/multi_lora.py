@@ -2,8 +2,10 @@
 
 Each adapter samples prompts from its own task (by registered name) with its own data cursor, is scored by
 its own reward and, with a session server, played by its own agent. Without a session server each sample is
-one POST to the engines' native /generate; with one, each sample is an agentic episode (rollout/agentic.py)
-in a session bound to the adapter's slot, so every turn carries its lora_path, `name::` rid and extra_key.
+one POST to an engine's native /generate, a group's samples all to the one worker it is pinned to while in
+flight (engine/workers.py; never through the router, which drops R3); with one, each sample is an agentic
+episode (rollout/agentic.py) in a session bound to the adapter's slot, so every turn carries its lora_path,
+`name::` rid and extra_key.
 
 Every request, and every session turn, first asks the adapters cache whether its adapter is still sampleable:
 one that is not (retired, or its name re-registered) gets an ABORTED sample and nothing more is sent, so
@@ -17,6 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -45,7 +48,7 @@ class MultiLoRARollout:
     def __init__(
         self, ctx: RolloutContext, cache: AdaptersCache, *, seed: int, unreachable_grace_s: float = 60.0
     ) -> None:
-        self.ctx = ctx  # the shared engine client, tokenizer and sampling settings
+        self.ctx = ctx  # the shared engine workers, tokenizer and sampling settings
         self.cache = cache
         self.seed = seed
         self.cursors: dict[str, int] = {}  # per adapter: the index of its next prompt
@@ -75,8 +78,11 @@ class MultiLoRARollout:
         ctx = dataclasses.replace(
             self.ctx, task=self._task(run), reward=get_reward(run.config.reward), agent=self._agent(run), lora_name=None
         )
-        n = run.config.n_samples_per_prompt
-        return list(await asyncio.gather(*(self._one(ctx, run, prompt) for _ in range(n))))
+        n, group = run.config.n_samples_per_prompt, f"{run.name}::{uuid.uuid4().hex}"
+        try:
+            return list(await asyncio.gather(*(self._one(ctx, run, prompt, group) for _ in range(n))))
+        finally:
+            ctx.workers.release(group)
 
     async def aclose(self) -> None:
         """Close the connections to the session server (call once the producer has stopped)."""
@@ -84,7 +90,7 @@ class MultiLoRARollout:
             await self._sessions.aclose()
             self._sessions = None
 
-    async def _one(self, ctx: RolloutContext, run: AdapterRun, prompt: Prompt) -> Sample:
+    async def _one(self, ctx: RolloutContext, run: AdapterRun, prompt: Prompt, group: str) -> Sample:
         lookup = session_adapter if ctx.session_url else request_fields
         fields = await lookup(self.cache, run)
         if fields is None:
@@ -95,7 +101,7 @@ class MultiLoRARollout:
             if ctx.session_url:
                 sample = await self._episode(ctx, run, prompt, fields)
             else:
-                sample = await generate_sample(ctx, prompt, fields)
+                sample = await generate_sample(ctx, await ctx.workers.pin(group), prompt, fields)
         except (EngineUnavailable, EngineError) as error:
             if isinstance(error, EngineError) and not adapter_missing_on_engine(error):
                 raise

@@ -6,7 +6,7 @@
     DELETE /sessions/{id}                           204
     POST   /sessions/{id}/v1/chat/completions       OpenAI chat (agents use base_url=.../sessions/{id}/v1)
     POST   /sessions/{id}/samples                   {"max_seq_len", "metadata"} -> safetensors (codec.py)
-    *      /sessions/{id}/{path}                    proxied to the engine with X-SMG-Routing-Key, not recorded
+    *      /sessions/{id}/{path}                    proxied to the router (X-SMG-Routing-Key) or the session's engine
 
 Multi-LoRA: POST /sessions {"adapter": {"name": "tenant-a", "lora_name": "__miles_slot_0", "version": 3}}
 binds the session to an adapter slot; every turn then carries lora_path=the slot, rid="tenant-a::<uuid>" and
@@ -20,17 +20,19 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from miles_runner.engine.client import ROUTING_KEY_HEADER, EngineClient, EngineError, EngineUnavailable
-from miles_runner.session.config import AdapterSlot, SessionServerConfig
+from miles_runner.engine.client import ROUTING_KEY_HEADER, EngineError, EngineUnavailable
+from miles_runner.session.config import AdapterSlot, SessionServerConfig, read_sampling_defaults
 from miles_runner.session.core import SessionCore
 from miles_runner.session.errors import MessageValidationError, SessionError, UpstreamResponseError
 from miles_runner.session.request import fake_stream, strip_replay_payloads
 from miles_runner.session.tito import TitoTokenizer
+from miles_runner.session.upstream import SessionUpstream
 
 PROXY_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 # Hop-by-hop and per-connection headers, plus the agent's credentials (the server owns upstream auth).
@@ -43,15 +45,24 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def create_app(config: SessionServerConfig, tito: TitoTokenizer | None = None) -> FastAPI:
-    tito = tito or TitoTokenizer.from_model_path(config.model_path)
+    tito = tito or TitoTokenizer.from_model_path(config.model_path, config.tito_model)
     num_layers = config.resolved_num_layers()
+    sampling_defaults = read_sampling_defaults(Path(config.model_path))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = EngineClient(config.engine_url, api_key=config.upstream_api_key, timeout_s=config.upstream_timeout_s)
-        async with engine:
-            app.state.core = SessionCore(config, tito, engine, num_layers)
+        upstream = SessionUpstream(
+            config.engine_url,
+            behind_router=config.behind_router,
+            engine_urls=config.engine_urls,
+            api_key=config.upstream_api_key,
+            timeout_s=config.upstream_timeout_s,
+        )
+        try:
+            app.state.core = SessionCore(config, tito, upstream, num_layers, sampling_defaults)
             yield
+        finally:
+            await upstream.aclose()
 
     app = FastAPI(title="miles-runner session server", lifespan=lifespan)
     app.add_exception_handler(SessionError, _session_error_response)
@@ -122,7 +133,8 @@ def _add_routes(app: FastAPI, config: SessionServerConfig) -> None:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_REQUEST_HEADERS}
         headers[ROUTING_KEY_HEADER] = session_id
         try:
-            upstream = await core(request).engine.request(
+            target = await core(request).upstream.proxy_target(session_id)
+            upstream = await target.request(
                 request.method,
                 f"/{path}",
                 content=await request.body(),

@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from miles_runner.core.tito_families import tito_family
+from miles_runner.engine.chat_as_generate import MODEL_DEFAULT_FIELDS
+from miles_runner.session.messages import resolve_matcher
 
 SessionVersion = Literal["v1", "v2"]
 
 
 @dataclass(frozen=True)
 class SessionServerConfig:
+    # The (first) engine, or with `behind_router` the sglang-router whose workers serve the sessions (upstream.py).
     engine_url: str
     model_path: str
     version: SessionVersion = "v1"
@@ -29,10 +34,24 @@ class SessionServerConfig:
     instance_id: str | None = None
     # Decoder layers of the served model (rows of the R3 tensor); read from config.json when None.
     num_layers: int | None = None
+    behind_router: bool = False
+    # Without a router: every engine the sessions are spread over (empty: `engine_url` alone).
+    engine_urls: tuple[str, ...] = ()
+    # The TITO family (tito.py): the chat template, its pinned kwargs and how a turn's suffix joins the stored ids.
+    tito_model: str = "default"
+    # Whether a replayed message is the stored one (messages.py): strict, loose_tool_call or role_content_only.
+    message_matcher: str = "strict"
 
     def __post_init__(self) -> None:
         if self.version not in ("v1", "v2"):
             raise ValueError(f"session version must be v1 or v2, got {self.version!r}")
+        resolve_matcher(self.message_matcher)
+        family = tito_family(self.tito_model)
+        if self.max_trim_tokens < family.max_trim_tokens:
+            raise ValueError(
+                f"tito_model {self.tito_model} drops up to {family.max_trim_tokens} stored token(s) at a turn "
+                f"boundary; max_trim_tokens must be at least that, got {self.max_trim_tokens}"
+            )
         if self.use_addition_r3 and not self.return_routed_experts:
             raise ValueError("use_addition_r3 needs return_routed_experts (incremental R3 without R3)")
         if self.max_trim_tokens < 0:
@@ -42,6 +61,14 @@ class SessionServerConfig:
         if self.num_layers is not None:
             return self.num_layers
         return read_num_layers(Path(self.model_path))
+
+
+def read_sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling values the model's generation_config.json sets, which SGLang's chat (under its default
+    --sampling-defaults model) uses for the ones a request leaves unset."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {key: config[key] for key in MODEL_DEFAULT_FIELDS if config.get(key) is not None}
 
 
 def read_num_layers(model_dir: Path) -> int:

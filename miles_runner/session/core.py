@@ -12,12 +12,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_runner.engine.client import EngineClient, EngineUnavailable
+from miles_runner.engine.chat_as_generate import chat_completion, generate_body
+from miles_runner.engine.client import EngineUnavailable
 from miles_runner.session.codec import encode_samples
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import SessionNotFoundError, UpstreamResponseError
 from miles_runner.session.linear import LinearTrajectory, LinearTurnPlan
-from miles_runner.session.messages import normalize_messages
+from miles_runner.session.messages import normalize_messages, resolve_matcher
 from miles_runner.session.r3 import addition_r3_start_len
 from miles_runner.session.records import SessionRecord
 from miles_runner.session.request import extract_completion, prepare_chat_request
@@ -25,6 +26,7 @@ from miles_runner.session.samples import AssemblyOptions, build_sample
 from miles_runner.session.tito import TitoTokenizer
 from miles_runner.session.tree import TreeTrajectory, TreeTurnPlan
 from miles_runner.session.tree_samples import build_leaf_samples, drop_retries, postprocess
+from miles_runner.session.upstream import SessionUpstream
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -47,17 +49,27 @@ class ChatResult:
 
 
 class SessionCore:
-    def __init__(self, config: SessionServerConfig, tito: TitoTokenizer, engine: EngineClient, num_layers: int) -> None:
+    def __init__(
+        self,
+        config: SessionServerConfig,
+        tito: TitoTokenizer,
+        upstream: SessionUpstream,
+        num_layers: int,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.tito = tito
-        self.engine = engine
+        self.upstream = upstream
         self.num_layers = num_layers
+        self.sampling_defaults = sampling_defaults or {}  # the model's generation_config values chat falls back to
         self.sessions: dict[str, Session] = {}
+        self.matcher = resolve_matcher(config.message_matcher)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def create(self, adapter: AdapterSlot | None = None) -> Session:
-        state = TreeTrajectory() if self.config.version == "v2" else LinearTrajectory()
+        trajectory = TreeTrajectory if self.config.version == "v2" else LinearTrajectory
+        state = trajectory(matcher=self.matcher)
         session = Session(uuid.uuid4().hex, state, adapter)
         self.sessions[session.session_id] = session
         return session
@@ -73,6 +85,7 @@ class SessionCore:
         session.closing = True
         async with session.lock:  # a phase in progress finishes first
             self.sessions.pop(session_id, None)
+            self.upstream.release(session_id)
 
     # ---- one turn ------------------------------------------------------------------------------------
 
@@ -82,19 +95,30 @@ class SessionCore:
         async with session.lock:
             if session.closing:
                 raise SessionNotFoundError(f"session {session_id} not found")
-            upstream, stream, plan = self._plan_turn(session, body)
+            request, stream, plan = self._plan_turn(session, body)
         requested_at = time.time()
-        try:
-            response = await self.engine.chat_completions(upstream, routing_key=session_id)
-        except EngineUnavailable as error:
-            raise UpstreamResponseError(f"backend transport error: {error}") from error
+        response = await self._generate(session_id, request)
         completion_ids, assistant = extract_completion(response)
-        record = SessionRecord(time.time(), requested_at, "POST", CHAT_PATH, upstream, response, 200)
+        record = SessionRecord(time.time(), requested_at, "POST", CHAT_PATH, request, response, 200)
         async with session.lock:
             committed = not session.closing and session.state.commit(
                 plan, completion_ids, assistant, record, self.config.max_trim_tokens
             )
         return ChatResult(response, stream, committed)
+
+    async def _generate(self, session_id: str, chat: dict[str, Any]) -> dict[str, Any]:
+        """The turn's chat reply (recorded with `chat` as the turn's request)."""
+        wire = generate_body(chat, model_defaults=self.sampling_defaults)
+        try:
+            # Native /generate straight to the session's pinned worker, not chat through the router: sglang-router
+            # 0.3.2 rebuilds request bodies and drops input_ids, return_meta_info, R3, rid and extra_key
+            # (upstream.py); SGLang itself builds its chat reply from this same native result.
+            native = await self.upstream.generate(session_id, wire)
+        except EngineUnavailable as error:
+            raise UpstreamResponseError(f"backend transport error: {error}") from error
+        if not isinstance(native, dict) or not isinstance(native.get("meta_info"), dict):
+            raise UpstreamResponseError(f"the /generate reply is not one result with meta_info: {native!r:.200}")
+        return chat_completion([native], model=chat.get("model", "default"), logprobs=True, return_meta_info=True)
 
     def _plan_turn(
         self, session: Session, body: dict[str, Any]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_runner.session.errors import MessageValidationError, TokenizationError
-from miles_runner.session.messages import Message, matching_prefix_len
+from miles_runner.session.messages import Matcher, Message, matching_prefix_len, strict_matches
 from miles_runner.session.records import SessionRecord
 from miles_runner.session.tito import TitoTokenizer, common_prefix_len
 
@@ -32,6 +32,8 @@ class LinearTrajectory:
     checkpoint_message_ends: list[int] = field(default_factory=list)
     # Bumped by every commit: a plan made against an older state must not be applied (the v1 guard).
     commit_count: int = 0
+    # Whether a replayed message is the stored one (session.message_matcher); the stored one is kept.
+    matcher: Matcher = strict_matches
 
     @property
     def token_ids(self) -> list[int]:
@@ -61,7 +63,7 @@ class LinearTrajectory:
         return LinearTurnPlan(base, request_messages, prompt_ids, checkpoint, self.commit_count)
 
     def _base_checkpoint(self, request_messages: list[Message]) -> int:
-        match_len = matching_prefix_len(self.messages, request_messages)
+        match_len = matching_prefix_len(self.messages, request_messages, self.matcher)
         if match_len == len(self.messages):
             return self.num_assistant - 1
         base = max((i for i, end in enumerate(self.checkpoint_message_ends) if end <= match_len), default=-1)

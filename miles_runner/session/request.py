@@ -1,4 +1,5 @@
-"""One turn's wire handling, pure: the upstream request the session sends, and what the agent gets back."""
+"""One turn's wire handling, pure: the chat request a turn makes (recorded as the turn's request, and sent as
+SGLang's /generate: engine/chat_as_generate.py), and what the agent gets back."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from miles_runner.core.adapters import adapter_request_fields
+from miles_runner.engine.chat_as_generate import model_adapter, unsupported_chat_fields
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import MessageValidationError, UpstreamResponseError
 from miles_runner.session.messages import Message, normalize_message
@@ -23,6 +25,11 @@ def prepare_chat_request(
     upstream.pop("stream_options", None)
     if upstream.get("n", 1) != 1:
         raise MessageValidationError("a session turn generates one choice; n must be 1")
+    if unsupported := unsupported_chat_fields(upstream):
+        raise MessageValidationError(
+            f"a session turn cannot honour the chat fields {', '.join(unsupported)} (it is generated with "
+            "SGLang's /generate on the prompt's token ids); remove them"
+        )
     template_kwargs = upstream.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise MessageValidationError("chat_template_kwargs must be an object")
@@ -33,17 +40,25 @@ def prepare_chat_request(
     upstream.update(logprobs=True, return_meta_info=True, no_stop_trim=False)
     if config.return_routed_experts:
         upstream["return_routed_experts"] = True
-    upstream.update(_adapter_fields(config, adapter))
+    upstream.update(_adapter_fields(config, adapter, upstream.get("model")))
     return upstream, stream
 
 
-def _adapter_fields(config: SessionServerConfig, adapter: AdapterSlot | None) -> dict[str, str]:
+def _adapter_fields(config: SessionServerConfig, adapter: AdapterSlot | None, model: str | None) -> dict[str, str]:
     """The adapter overrides whatever the agent sent: no turn may silently come from the base model."""
     if adapter is not None:
-        return adapter_request_fields(adapter.name, adapter.lora_name, adapter.version)
-    if config.lora_name is not None:
-        return {"lora_path": config.lora_name}
-    return {}
+        fields = adapter_request_fields(adapter.name, adapter.lora_name, adapter.version)
+    elif config.lora_name is not None:
+        fields = {"lora_path": config.lora_name}
+    else:
+        return {}
+    named = model_adapter(model)  # SGLang generates with the adapter `model` names, whatever lora_path says
+    if named is not None and named != fields["lora_path"]:
+        raise MessageValidationError(
+            f"model {model!r} names the adapter {named!r}, but this session generates with "
+            f"{fields['lora_path']!r}; send the model without ':{named}'"
+        )
+    return fields
 
 
 def extract_completion(response: dict[str, Any]) -> tuple[list[int], Message]:

@@ -1,17 +1,20 @@
 """Standalone session server.
 
-    python -m miles_runner.session.server --engine-url URL --model-path DIR --port P [flags]
+    python -m miles_runner.session.server (--engine-url URL ... | --router-url URL) --model-path DIR --port P [flags]
 
 Inside a run the executor starts this same command from the plan; the flags map one to one onto
-`SessionServerConfig`.
+`SessionServerConfig`. Repeat --engine-url to spread the sessions over several engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
+from miles_runner.core.tito_families import TITO_FAMILIES
 from miles_runner.session.app import create_app
 from miles_runner.session.config import SessionServerConfig
+from miles_runner.session.messages import MATCHERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Session server for agentic rollouts (token-in/token-out proxy in front of SGLang).",
         allow_abbrev=False,
     )
-    p.add_argument("--engine-url", required=True, help="SGLang engine or router, e.g. http://127.0.0.1:30000")
+    upstream = p.add_mutually_exclusive_group(required=True)
+    upstream.add_argument(
+        "--engine-url", action="append", help="an SGLang engine; repeat it to spread the sessions over several"
+    )
+    upstream.add_argument(
+        "--router-url", help="an sglang-router: each session is pinned to one of its workers (session/upstream.py)"
+    )
     p.add_argument("--model-path", required=True, help="HF model dir: tokenizer, chat template, config.json")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -33,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="request only the R3 rows after each checkpoint (implies --routed-experts; in_place pause)",
     )
     p.add_argument("--max-trim-tokens", type=int, default=0)
+    p.add_argument("--tito-model", choices=sorted(TITO_FAMILIES), default="default", help="TITO family (tito.py)")
+    p.add_argument("--message-matcher", choices=sorted(MATCHERS), default="strict", help="replay matching")
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds per engine call")
     p.add_argument("--api-key", help="bearer token the engine expects")
     p.add_argument("--instance-id", help="reported by GET /health")
@@ -43,13 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
     return SessionServerConfig(
-        engine_url=args.engine_url,
+        engine_url=args.router_url or args.engine_url[0],
+        behind_router=args.router_url is not None,
+        engine_urls=tuple(args.engine_url or ()),
         model_path=args.model_path,
         version=args.version,
         lora_name=args.lora_name,
         return_routed_experts=args.routed_experts or args.addition_r3,
         use_addition_r3=args.addition_r3,
         max_trim_tokens=args.max_trim_tokens,
+        tito_model=args.tito_model,
+        message_matcher=args.message_matcher,
         upstream_timeout_s=args.upstream_timeout,
         upstream_api_key=args.api_key,
         host=args.host,
@@ -64,6 +79,11 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    if config.tito_model == "default":  # spec §1.2 rule 4: a warning, not an error
+        logging.getLogger(__name__).warning(
+            "tito_model default: the model's own chat template with a best-effort append rule; a template that "
+            "renders earlier turns differently once a message is appended makes input_ids diverge from it"
+        )
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
 
 

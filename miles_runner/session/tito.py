@@ -2,34 +2,76 @@
 
 The stored ids (prompt + what the model generated) always win: a later turn appends only the tokens of the
 new suffix, so the engine sees exactly the sequence the policy produced, not a re-tokenization of it.
+
+A TITO family (`session.tito_model`, miles' TITOTokenizer subclasses) fixes how that suffix is made:
+- `default`: the model's own chat template; the suffix is the text the template adds after the stored turns,
+  preceded by whatever part of the assistant turn's closing text the engine did not emit.
+- `qwen3`: miles' fixed Qwen3 template (templates/qwen3_fixed.jinja, with clear_thinking=false so past reasoning
+  renders append-only); the suffix is rendered after a dummy system + assistant prefix, and a stored turn that
+  ends with <|im_end|> gets the newline the model does not generate.
+- `glm47`: GLM-4.7's own template with clear_thinking=false; <|user|> and <|observation|> both stop a turn and
+  open the next message, so a stored turn ending with one loses it (the suffix opens the next message).
+A family pins its template kwargs (a request asking for another value is a 400) and needs its special tokens in
+the model's tokenizer (else the server does not start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jinja2 import TemplateError
 
+from miles_runner.core.tito_families import TITO_FAMILIES, TitoFamily, tito_family
 from miles_runner.session.errors import MessageValidationError
-from miles_runner.session.messages import Message
+from miles_runner.session.messages import Message, template_view
 
-# Roles an agent may append after a generated assistant turn (observations and instructions, never
-# assistant text the policy did not generate).
+# Roles an agent may append after a generated assistant turn under the default family (observations and
+# instructions, never assistant text the policy did not generate). The named families allow assistant too.
 ALLOWED_APPEND_ROLES = frozenset({"user", "tool", "system"})
+ALL_APPEND_ROLES = frozenset({"user", "tool", "system", "assistant"})
+TEMPLATES = Path(__file__).with_name("templates")
 _SENTINEL = "\x00miles-session-sentinel\x00"
+_DUMMY_SYSTEM: Message = {"role": "system", "content": "dummy system"}
 
 
 class TitoTokenizer:
+    """The `default` family; the named families below change the template, kwargs, roles and the merge."""
+
+    spec: ClassVar[TitoFamily] = TITO_FAMILIES["default"]
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        missing = [t for t in self.spec.required_tokens if t not in tokenizer.get_vocab()]
+        if missing:
+            raise ValueError(
+                f"tito_model {self.family} needs the tokens {missing}, which this model's tokenizer does not have; "
+                "use the family of this model, or tito_model=default"
+            )
+        template = self.spec.template_file
+        self.chat_template = (TEMPLATES / template).read_text() if template else None  # None: the model's own
+        self.allowed_append_roles = ALL_APPEND_ROLES if self.spec.append_assistant else ALLOWED_APPEND_ROLES
 
     @classmethod
-    def from_model_path(cls, model_path: str | Path) -> TitoTokenizer:
+    def from_model_path(cls, model_path: str | Path, family: str = "default") -> TitoTokenizer:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(model_path)))
+        return FAMILY_CLASSES[tito_family(family).name](AutoTokenizer.from_pretrained(str(model_path)))
+
+    @property
+    def family(self) -> str:
+        return self.spec.name
+
+    def template_kwargs(self, request_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request's chat_template_kwargs with the family's pinned ones (a different value is a 400)."""
+        for key, value in self.spec.pinned_kwargs.items():
+            if key in request_kwargs and request_kwargs[key] != value:
+                raise MessageValidationError(
+                    f"chat_template_kwargs {key}={request_kwargs[key]!r} conflicts with tito_model "
+                    f"{self.family}, which renders with {key}={value!r}"
+                )
+        return {**request_kwargs, **self.spec.pinned_kwargs}
 
     def render(
         self,
@@ -41,11 +83,12 @@ class TitoTokenizer:
     ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages),
+                template_view(messages),
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
-                **template_kwargs,
+                chat_template=self.chat_template,
+                **self.template_kwargs(template_kwargs),
             )
         except (TemplateError, TypeError, ValueError, KeyError) as error:
             # A template that cannot render the request is the request's problem (a 400), not a crash.
@@ -77,7 +120,7 @@ class TitoTokenizer:
         may or may not have emitted the template's turn-closing tokens (a stop versus a length cut), so the
         part of the closing text it did not emit is prepended to the new suffix.
         """
-        check_append_roles(appended)
+        check_append_roles(appended, self.allowed_append_roles)
         old_text = self.render(
             stored_messages, tools=tools, add_generation_prompt=False, template_kwargs=template_kwargs
         )
@@ -137,12 +180,75 @@ class TitoTokenizer:
         return None
 
 
-def check_append_roles(appended: Sequence[Message]) -> None:
-    for message in appended:
-        if message["role"] not in ALLOWED_APPEND_ROLES:
+class FixedTemplateFamily(TitoTokenizer):
+    """miles' named-family merge: the appended messages (and the next generation prompt) are rendered after a
+    dummy system + assistant prefix, so the stored turns are never re-rendered; `join` handles the boundary."""
+
+    def merge_tokens(
+        self,
+        stored_messages: Sequence[Message],
+        stored_ids: Sequence[int],
+        appended: Sequence[Message],
+        tools: list[dict] | None,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        check_append_roles(appended, self.allowed_append_roles)
+        dummy_assistant = {"role": "assistant", "content": "", "reasoning_content": " ",
+                           "tool_calls": stored_messages[-1].get("tool_calls") or []}  # fmt: skip
+        prefix = [_DUMMY_SYSTEM, dummy_assistant]
+        without = self.render(prefix, tools=tools, add_generation_prompt=False, template_kwargs=template_kwargs)
+        with_appended = self.render(
+            [*prefix, *appended], tools=tools, add_generation_prompt=True, template_kwargs=template_kwargs
+        )
+        if not with_appended.startswith(without):
             raise MessageValidationError(
-                f"role {message['role']!r} cannot be appended after a generated turn; "
-                f"allowed: {sorted(ALLOWED_APPEND_ROLES)}"
+                f"tito_model {self.family} cannot render the appended roles {[m['role'] for m in appended]} "
+                "as an extension of the conversation"
+            )
+        return self.join(list(stored_ids), self.encode(with_appended[len(without) :]))
+
+    def join(self, stored_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        return stored_ids + suffix_ids
+
+    def token_id(self, token: str) -> int:
+        return self.tokenizer.convert_tokens_to_ids(token)
+
+
+class Qwen3Tito(FixedTemplateFamily):
+    spec = TITO_FAMILIES["qwen3"]
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        newline = self.encode("\n")
+        if len(newline) != 1:
+            raise ValueError(f"tito_model qwen3 needs a one-token newline; this tokenizer spells it {newline}")
+        self.newline_id, self.im_end_id = newline[0], self.token_id("<|im_end|>")
+
+    def join(self, stored_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        # The template writes "<|im_end|>\n" after every message; the model stops at <|im_end|>.
+        if stored_ids and stored_ids[-1] == self.im_end_id:
+            stored_ids = [*stored_ids, self.newline_id]
+        return stored_ids + suffix_ids
+
+
+class Glm47Tito(FixedTemplateFamily):
+    spec = TITO_FAMILIES["glm47"]
+
+    def join(self, stored_ids: list[int], suffix_ids: list[int]) -> list[int]:
+        # <|user|> and <|observation|> end a generated turn and open the next message, which the suffix opens.
+        if stored_ids and stored_ids[-1] in (self.token_id("<|user|>"), self.token_id("<|observation|>")):
+            stored_ids = stored_ids[:-1]
+        return stored_ids + suffix_ids
+
+
+FAMILY_CLASSES: dict[str, type[TitoTokenizer]] = {c.spec.name: c for c in (TitoTokenizer, Qwen3Tito, Glm47Tito)}
+
+
+def check_append_roles(appended: Sequence[Message], allowed: frozenset[str] = ALLOWED_APPEND_ROLES) -> None:
+    for message in appended:
+        if message["role"] not in allowed:
+            raise MessageValidationError(
+                f"role {message['role']!r} cannot be appended after a generated turn; allowed: {sorted(allowed)}"
             )
 
 

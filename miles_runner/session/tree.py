@@ -7,7 +7,7 @@ from typing import Any
 
 from miles_runner.session.errors import TreeFullError, TruncatedGenerationError
 from miles_runner.session.linear import check_checkpoint_prefix
-from miles_runner.session.messages import Message
+from miles_runner.session.messages import Matcher, Message, strict_matches
 from miles_runner.session.records import SessionRecord
 from miles_runner.session.tito import TitoTokenizer
 
@@ -49,6 +49,8 @@ class TreeTurnPlan:
 class TreeTrajectory:
     nodes: list[TrajectoryNode] = field(default_factory=list)
     active_leaf: int | None = None
+    # Whether a replayed message is the stored one (session.message_matcher); the stored one is kept.
+    matcher: Matcher = strict_matches
 
     @property
     def records(self) -> list[SessionRecord]:
@@ -61,12 +63,12 @@ class TreeTrajectory:
     def find_attach_point(self, request: list[Message]) -> int | None:
         """Deepest node whose root->node conversation is a prefix of the request; ties go to the later."""
         best: TrajectoryNode | None = None
-        frontier = [node for node in self.nodes if node.parent is None and _extends(node, request)]
+        frontier = [node for node in self.nodes if node.parent is None and _extends(node, request, self.matcher)]
         while frontier:
             node = frontier.pop()
             if best is None or (len(node.path_messages), node.seq) > (len(best.path_messages), best.seq):
                 best = node
-            frontier += [self.nodes[c] for c in node.children if _extends(self.nodes[c], request)]
+            frontier += [self.nodes[c] for c in node.children if _extends(self.nodes[c], request, self.matcher)]
         return None if best is None else best.node_id
 
     def plan_turn(
@@ -170,8 +172,8 @@ class TreeTrajectory:
             raise TreeFullError(f"the session tree already holds {MAX_NODES} nodes; start a new session")
 
 
-def _extends(node: TrajectoryNode, request: list[Message]) -> bool:
+def _extends(node: TrajectoryNode, request: list[Message], matcher: Matcher) -> bool:
     """The request contains the node's whole conversation (a node counts only once its delta is consumed)."""
     size = len(node.path_messages)
     start = size - len(node.delta_messages)
-    return size <= len(request) and request[start:size] == node.delta_messages
+    return size <= len(request) and all(map(matcher, node.delta_messages, request[start:size]))

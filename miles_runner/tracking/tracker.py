@@ -13,12 +13,18 @@ from miles_runner.tracking.wandb_logger import WandbLogger
 
 
 class Tracker:
-    """metrics.jsonl + wandb + progress for one run; records of steps a resume redoes are dropped first."""
+    """metrics.jsonl + wandb + progress for one run; records of steps a resume redoes are dropped first.
+
+    With `logger.metrics_jsonl` false no metrics.jsonl is written: the records live in memory for the end-of-run
+    plot and summary (a resumed run could not recover the earlier ones, so the plan refuses that combination).
+    """
 
     def __init__(self, plan: Plan, run_dir: Path, *, start_step: int):
-        self.metrics = MetricsFile(run_dir / "metrics.jsonl")
-        self.metrics.truncate_after(start_step - 1)
-        self.records = self.metrics.read()
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl") if plan.logger.metrics_jsonl else None
+        self.records: list[dict[str, Any]] = []
+        if self.metrics is not None:
+            self.metrics.truncate_after(start_step - 1)
+            self.records = self.metrics.read()
         self.wandb = WandbLogger(plan.logger, run_dir, run_name=plan.name, config=plan_to_dict(plan))
         self.progress = Progress(plan.batch.num_steps, mode=plan.logger.progress, start_step=start_step)
         self.plan, self.run_dir = plan, run_dir
@@ -27,7 +33,8 @@ class Tracker:
         self.progress.phase_started(step, name)
 
     def step_done(self, step: int, record: dict[str, Any]) -> None:
-        self.metrics.append(record)
+        if self.metrics is not None:
+            self.metrics.append(record)
         self.records.append(record)
         self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
         shown = {k: record[k] for k in ("reward/mean", "train/loss", "train/kl", "rollout/tokens_per_s")

@@ -1,14 +1,16 @@
-"""The FSDP trainer (``trainer=fsdp``, ``lora_mode=peft``): a peft LoRA adapter on an HF model, trained with GRPO.
+"""The FSDP trainer (``trainer=fsdp``, ``lora_mode=peft``): a peft LoRA adapter on an HF model, trained with
+the plan's policy-gradient algorithm.
 
 One process on CPU is the common case. When ``torch.distributed`` is initialised with more than one rank
 (gloo on CPU, NCCL on GPU), every decoder layer and then the whole model are wrapped with FSDP2
 ``fully_shard``; each rank trains on its strided share of every batch and FSDP averages the gradients.
 The adapter and checkpoint exports gather full tensors (collectives: call them on every rank).
 
-``train(samples)`` is one rollout's update: GRPO advantages over the groups, then one optimizer step per
-``global_batch_size`` samples, each accumulated over micro-batches. Old log-probs are the rollout's
-(``algorithm.use_rollout_logprobs``) or the trainer's own before the first step; the KL reference is the
-same model with the adapter disabled.
+``train(samples)`` is one rollout's update: the plan's advantages (trainer/advantages.py), then one optimizer
+step per ``global_batch_size`` samples, each accumulated over micro-batches (trainer/micro_batches.py). Old
+log-probs are the rollout's (``algorithm.use_rollout_logprobs``) or the trainer's own before the first step; the
+KL reference is the same model with the adapter disabled. With ``routing_replay`` (R3) every forward routes each
+token to the experts the rollout chose (trainer/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ import torch.distributed as dist
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
+from miles_runner.models.moe_routing import routing_layout
 from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
+from miles_runner.trainer.advantages import Estimator
 from miles_runner.trainer.distributed import rank_and_world
 from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, token_log_probs
-from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
+from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
-from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
+from miles_runner.trainer.micro_batches import cut_columns, plan_micro_batches, row_lengths
+from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer, loss_config
+from miles_runner.trainer.routing_replay import check_routed_experts
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,10 @@ class TrainerSettings:
     global_batch_size: int  # samples per optimizer step
     micro_batch_size: int
     temperature: float = 1.0  # the rollout temperature the engine sampled at
-    per_token_loss: bool = False
+    per_token_loss: bool = False  # trainer.calculate_per_token_loss
+    recompute: bool = False  # trainer.parallel.recompute: gradient checkpointing of every decoder layer
+    max_tokens_per_micro_batch: int = 0  # trainer.use_dynamic_batch_size: the token budget; 0: micro_batch_size
+    routing_replay: bool = False  # R3: train with the rollout's expert choices (rollout.routing_replay)
     seed: int = 0
 
     @classmethod
@@ -61,13 +70,18 @@ class TrainerSettings:
             global_batch_size=plan.batch.global_batch_size,
             micro_batch_size=plan.trainer.parallel.micro_batch_size,
             temperature=plan.rollout.temperature,
+            per_token_loss=plan.trainer.calculate_per_token_loss,
+            recompute=plan.trainer.parallel.recompute,
+            max_tokens_per_micro_batch=plan.trainer.max_tokens_per_micro_batch,
+            routing_replay=plan.capabilities.use_routing_replay,
             seed=plan.seed,
         )
 
+    def estimator(self) -> Estimator:
+        return Estimator.from_algorithm(self.algorithm, self.group_size)
+
     def loss_config(self) -> PolicyLossConfig:
-        a = self.algorithm
-        return PolicyLossConfig(a.eps_clip, a.eps_clip_high, a.kl_coef, a.entropy_coef, a.use_tis,
-                                per_token_loss=self.per_token_loss)
+        return loss_config(self.algorithm, per_token_loss=self.per_token_loss)
 
 
 class FSDPTrainer:
@@ -78,12 +92,16 @@ class FSDPTrainer:
         self.model_path = str(model_path)
         self.rank, self.world_size = rank_and_world()
         self.model = lora_model.load_lora_model(self.model_path, settings.adapter, seed=settings.seed)
+        self.routing = routing_layout(self.model) if settings.routing_replay else None
+        if settings.recompute:
+            lora_model.enable_recompute(self.model)
         if self.world_size > 1:
             self._shard()
         self.pad_id = AutoTokenizer.from_pretrained(self.model_path).pad_token_id or 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, settings.optimizer, settings.adapter.lr)
         self.step = 0
+        self.estimator = settings.estimator()
         self.loss_config = settings.loss_config()
 
     def _shard(self) -> None:
@@ -98,41 +116,60 @@ class FSDPTrainer:
     def _local(self, items: Sequence[Any]) -> list[Any]:
         return list(items[self.rank :: self.world_size])
 
-    def _micro_batches(self, batch: TokenBatch) -> list[slice]:
-        size, n = self.settings.micro_batch_size, batch.input_ids.shape[0]
-        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+    def _micro_batches(self, batch: TokenBatch, rows: list[int]) -> list[list[int]]:
+        """Positions in `rows` per micro-batch; under a token budget every rank runs as many as the rank that
+        needs the most (FSDP's collectives pair up forward by forward)."""
+        every_row = row_lengths(batch)
+        lengths = [every_row[r] for r in rows]
+        budget = self.settings.max_tokens_per_micro_batch
+        split = plan_micro_batches(lengths, size=self.settings.micro_batch_size, max_tokens=budget)
+        if budget and self.world_size > 1:
+            count = torch.tensor(len(split))
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            split = plan_micro_batches(lengths, size=0, max_tokens=budget, count=int(count))
+        return split
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
         self.model.eval()
+        out = torch.zeros(batch.loss_mask.shape)
+        cut = self.settings.max_tokens_per_micro_batch > 0
         with nullcontext() if adapter else self.model.disable_adapter():
-            parts = [token_log_probs(self.model, batch.select(rows), temperature=self.settings.temperature)[0]
-                     for rows in self._micro_batches(batch)]
-        return torch.cat(parts)
+            for rows in self._micro_batches(batch, list(range(batch.input_ids.shape[0]))):
+                part = batch.select(torch.tensor(rows))
+                width = max(row_lengths(part)) if cut else part.input_ids.shape[1]
+                log_probs = token_log_probs(self.model, cut_columns(part, width), temperature=self.settings.temperature)
+                out[rows, : width - 1] = log_probs[0]
+        return out
 
     def compute_log_probs(self, samples: Sequence[TrainingSample], *, adapter: bool = True) -> list[list[float]]:
         """The trainer's log-probs of each sample's response tokens (single process)."""
-        return response_values(self._log_probs(pack_samples(samples, self.pad_id), adapter=adapter), samples)
+        batch = pack_samples(samples, self.pad_id, self.routing)
+        return response_values(self._log_probs(batch, adapter=adapter), samples)
 
     # ---- training ----
 
     def train(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         """One rollout's update. Samples are ordered group by group; every rank passes the same full list."""
         s = self.settings
+        check_routed_experts(samples, self.routing)  # the whole batch on every rank: all fail alike
         rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])
-        advantages = group_advantages(rewards, s.group_size, s.algorithm.normalize_advantages_by_std)
         gbs = s.global_batch_size or len(samples)
         if len(samples) % gbs or gbs % self.world_size:
             raise ValueError(f"{len(samples)} samples, global batch {gbs} and {self.world_size} ranks do not divide")
         means = MetricMeans()
         step_chunks = [range(i, i + gbs) for i in range(0, len(samples), gbs)]
         local_all = self._local(range(len(samples)))
-        full = pack_samples([samples[i] for i in local_all], self.pad_id)
+        full = pack_samples([samples[i] for i in local_all], self.pad_id, self.routing)
         old = self._old_log_probs(full, single_step=len(step_chunks) == 1)
         ref = self._log_probs(full, adapter=False) if s.algorithm.kl_coef > 0 else None
+        advantages = self.estimator.advantages(
+            rewards, local_all, full.loss_mask, full.attention_mask[:, 1:], self._reward_kl(full, old, ref),
+            dist.all_reduce if self.world_size > 1 else None,
+        )
         for chunk in step_chunks:
             rows = [local_all.index(i) for i in self._local(chunk)]
-            self._optimizer_step(full, rows, advantages[[local_all[r] for r in rows]], old, ref, means)
+            self._optimizer_step(full, rows, advantages[rows], old, ref, means)
         metrics = means.result()
         metrics["loss"] /= len(step_chunks)
         metrics.update(reward_mean=float(rewards.mean()), step=float(self.step), lr=s.adapter.lr)
@@ -146,13 +183,19 @@ class FSDPTrainer:
         # One step per rollout: the parameters do not move before the loss, so old = current (detached).
         return None if single_step else self._log_probs(full)
 
+    def _reward_kl(self, full: TokenBatch, old: torch.Tensor | None, ref: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token KL of the pre-update policy to the reference, where the estimator puts it in the reward."""
+        if not self.estimator.kl_in_reward or ref is None:
+            return None
+        return k3_kl(self._log_probs(full) if old is None else old, ref)
+
     def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
                         old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         accumulate_policy_gradients(
             self.model, full, rows, advantages, old, ref, self.loss_config, means,
-            temperature=self.settings.temperature, micro_batch_size=self.settings.micro_batch_size,
-            normalizer=self._normalizer(full, rows),
+            temperature=self.settings.temperature, micro_batches=self._micro_batches(full, rows),
+            normalizer=self._normalizer(full, rows), cut=self.settings.max_tokens_per_micro_batch > 0,
         )  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.settings.optimizer.clip_grad
@@ -162,9 +205,13 @@ class FSDPTrainer:
         means.add({"grad_norm": float(grad_norm)}, 1.0)
 
     def _normalizer(self, full: TokenBatch, rows: list[int]) -> float:
-        if self.loss_config.per_token_loss:
-            return float(full.loss_mask[torch.tensor(rows)].sum().clamp(min=1))
-        return float(len(rows))
+        if not self.loss_config.per_token_loss:
+            return float(len(rows))
+        # FSDP averages gradients over ranks: each rank divides by the step's tokens over all ranks / ranks.
+        tokens = full.loss_mask[torch.tensor(rows)].sum()
+        if self.world_size > 1:
+            dist.all_reduce(tokens)
+        return float(tokens.clamp(min=1)) / self.world_size
 
     # ---- export and checkpoints ----
 

@@ -4,6 +4,10 @@ Samples are right-padded into ``[B, L]``; every per-token tensor is then ``[B, L
 *predicted* token ``input_ids[:, 1:]``: response token ``j`` of a sample with prompt length ``P`` sits at
 column ``P - 1 + j``. ``loss_mask`` is 1 exactly on trained response tokens, so prompt and padding columns
 never reach the loss. Logits are divided by the rollout temperature, as the engine's sampling logprobs are.
+
+With routing replay (R3) the batch also carries the rollout's expert choices per input position
+(``routed_experts``, see trainer/routing_replay.py for which token's routing sits in which row), and every
+forward of that batch routes with them.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from miles_runner.models.moe_routing import RoutingLayout
+from miles_runner.trainer.routing_replay import ReplayStats, replaying, routed_rows
 
 
 class TrainingSample(Protocol):
@@ -23,6 +31,7 @@ class TrainingSample(Protocol):
     response_length: int
     loss_mask: list[int]
     rollout_log_probs: list[float]
+    rollout_routed_experts: np.ndarray | None  # (len(tokens) - 1, num_layers, top_k), read under routing replay
     reward: float | None
 
 
@@ -33,10 +42,12 @@ class TokenBatch:
     loss_mask: Tensor  # [B, L-1] float
     rollout_log_probs: Tensor  # [B, L-1], 0 where absent
     has_rollout_log_probs: bool  # every sample carried its sampling log-probs
+    routed_experts: Tensor | None = None  # [B, L, num_layers, top_k] int32 under routing replay, else None
 
     def select(self, rows: slice | Tensor) -> TokenBatch:
+        routed = None if self.routed_experts is None else self.routed_experts[rows]
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.loss_mask[rows],
-                          self.rollout_log_probs[rows], self.has_rollout_log_probs)
+                          self.rollout_log_probs[rows], self.has_rollout_log_probs, routed)
 
 
 def _check(sample: TrainingSample) -> None:
@@ -47,7 +58,8 @@ def _check(sample: TrainingSample) -> None:
         raise ValueError(f"loss_mask and rollout_log_probs must have response_length={n} entries")
 
 
-def pack_samples(samples: Sequence[TrainingSample], pad_id: int) -> TokenBatch:
+def pack_samples(samples: Sequence[TrainingSample], pad_id: int, routing: RoutingLayout | None = None) -> TokenBatch:
+    """Right-padded tensors of the samples; with a `routing` layout (replay on), their rollout routing too."""
     for sample in samples:
         _check(sample)
     width = max(len(s.tokens) for s in samples)
@@ -62,13 +74,17 @@ def pack_samples(samples: Sequence[TrainingSample], pad_id: int) -> TokenBatch:
         loss_mask[row, start : start + s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float)
         if s.rollout_log_probs:
             rollout[row, start : start + s.response_length] = torch.tensor(s.rollout_log_probs)
-    return TokenBatch(input_ids, attention, loss_mask, rollout, all(s.rollout_log_probs for s in samples))
+    routed = None if routing is None else routed_rows(samples, width, routing)
+    return TokenBatch(input_ids, attention, loss_mask, rollout, all(s.rollout_log_probs for s in samples), routed)
 
 
-def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0,
-                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-probabilities of ``input_ids[:, 1:]`` (and the per-position entropy when asked), ``[B, L-1]``."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+                    replay_stats: ReplayStats | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities of ``input_ids[:, 1:]`` (and the per-position entropy when asked), ``[B, L-1]``; routed as
+    the rollout was when the batch carries routing (``replay_stats`` then counts the replayed tokens)."""
+    with replaying(model, batch.routed_experts, replay_stats):
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    logits = output.logits[:, :-1].float()
     log_softmax = (logits / temperature).log_softmax(dim=-1)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     log_probs = log_softmax.gather(-1, targets).squeeze(-1)

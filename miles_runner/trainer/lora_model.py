@@ -8,6 +8,7 @@ KL term is the same model under ``model.disable_adapter()``. Adapter tensors use
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,7 +56,33 @@ def load_lora_model(model_path: str, adapter: AdapterSpec, *, seed: int):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if not trainable or any(".lora_" not in n for n in trainable):
         raise ValueError(f"target_modules {adapter.target_modules} gave no LoRA-only trainable set: {trainable[:4]}")
+    if adapter.init_path:
+        load_starting_adapter(model, Path(adapter.init_path))
     return model
+
+
+def load_starting_adapter(model, folder: Path) -> None:
+    """Start from a saved PEFT adapter (adapters.path): every LoRA tensor of the model is replaced, or it fails."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "adapter_model.safetensors")
+    try:
+        result = set_peft_model_state_dict(model, state, adapter_name=PEFT_ADAPTER)
+    except RuntimeError as error:  # torch's size mismatch: a different rank or projection shape
+        raise ValueError(f"{folder} does not fit the planned adapter: {error}") from error
+    expected = {name.replace(f".{PEFT_ADAPTER}.", ".") for name in trainable_state(model)}
+    missing = sorted(expected - set(state))
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{folder} does not fit the planned adapter: missing {missing[:3]}, "
+                         f"unexpected {list(result.unexpected_keys)[:3]}")  # fmt: skip
+
+
+def enable_recompute(model) -> None:
+    """Activation recomputation (trainer.parallel.recompute): every decoder layer keeps only its input and runs
+    its forward again in the backward pass. Non-reentrant checkpointing, so the LoRA weights inside a layer get
+    gradients although the frozen base gives the layer inputs no grad."""
+    model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

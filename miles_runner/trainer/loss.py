@@ -1,12 +1,13 @@
-"""The one GRPO/PPO policy loss, shared by the FSDP and Megatron trainers. Pure torch; no model code.
+"""The one policy loss, shared by the FSDP and Megatron trainers. Pure torch; no model code.
 
 Every per-token tensor is ``[batch, tokens]`` with a 0/1 ``mask`` saying which positions are trained
 (response tokens with ``loss_mask`` 1); padding and prompt positions carry mask 0 and any value.
 
-- ``group_advantages``: GRPO advantages, reward minus its group mean, optionally divided by the group std
-  (unbiased, as slime/miles do), one value per sample. A group of one has no baseline: its advantage is 0.
+The advantages it weighs come from ``advantages.Estimator`` (GRPO, GSPO, REINFORCE++ and its baseline variant).
+
 - ``policy_loss``: the PPO-clipped surrogate with asymmetric clip ``[1 - eps_clip, 1 + eps_clip_high]``
-  against ``old_log_probs`` (the rollout's, or the trainer's recomputation of them), an optional truncated
+  against ``old_log_probs`` (the rollout's, or the trainer's recomputation of them); with ``sequence_ratio``
+  (GSPO) every token of a sample shares the ratio of the sample's mean log-ratio; an optional truncated
   importance-sampling (TIS) weight ``min(exp(old - rollout), tis_clip)`` for the trainer/engine mismatch, an
   optional k3 KL penalty to the reference policy (the base model: the same weights with the adapter off)
   and an optional entropy bonus.
@@ -23,19 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-STD_EPS = 1e-6
 KL_CLAMP = 10.0  # miles clamps the low-variance KL estimate to [-10, 10]
-
-
-def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool) -> Tensor:
-    """Per-sample GRPO advantages for rewards laid out group by group (``[g0s0, g0s1, ..., g1s0, ...]``)."""
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_std and group_size > 1:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + STD_EPS)
-    return centered.flatten()
 
 
 def k3_kl(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
@@ -53,6 +42,7 @@ class PolicyLossConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     per_token_loss: bool = False
+    sequence_ratio: bool = False  # GSPO: one ratio per sample, exp(mean over its tokens of the log-ratio)
 
 
 @dataclass(frozen=True)
@@ -89,7 +79,12 @@ def policy_loss(
 ) -> PolicyLossOutput:
     """The clipped GRPO/PPO objective (to minimise). ``advantages`` is per sample ``[B]`` or per token."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    ratio = (log_probs - old_log_probs).exp()
+    log_ratio = log_probs - old_log_probs
+    if config.sequence_ratio:
+        mask_f = mask.to(log_ratio.dtype)
+        per_sample = (log_ratio * mask_f).sum(dim=1, keepdim=True) / mask_f.sum(dim=1, keepdim=True).clamp(min=1)
+        log_ratio = per_sample.expand_as(log_ratio)
+    ratio = log_ratio.exp()
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1 - config.eps_clip, 1 + config.eps_clip_high) * adv
     pg_tokens = torch.maximum(unclipped, clipped)

@@ -4,7 +4,8 @@ Each slot has its own peft adapter (named as the engine slot, `__miles_slot_K`),
 step scale. `train(samples, step_slots)` backwards every sample's GRPO loss into its slot's adapter (samples
 carry `metadata["slot"]`); gradients are kept across train calls, and only the slots in `step_slots` step:
 their gradients are scaled by 1/adapter_global_batch_size, clipped, applied, and cleared. A slot that is
-cleared and loaded again (a new tenant) starts with a fresh adapter and a fresh optimizer.
+cleared and loaded again (a new tenant) starts with a fresh adapter and a fresh optimizer. With `routing_replay`
+(R3) every forward routes each token to the experts its rollout chose (trainer/routing_replay.py).
 
 Data parallel across trainer ranks (trainer/ranks.py replays every call on each rank): each rank holds the
 whole base model and every slot's adapter (they are small), backwards its strided share of each slot's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Collection, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,17 @@ import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
+from miles_runner.models.moe_routing import routing_layout
 from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
+from miles_runner.trainer.advantages import Estimator, masked_whiten
 from miles_runner.trainer.distributed import rank_and_world
 from miles_runner.trainer.logprobs import TrainingSample, pack_samples, token_log_probs
-from miles_runner.trainer.loss import PolicyLossConfig, group_advantages
+from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
-from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer
+from miles_runner.trainer.micro_batches import plan_micro_batches, row_lengths
+from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer, loss_config
+from miles_runner.trainer.routing_replay import check_routed_experts
 
 IDLE_ADAPTER = "__idle"
 
@@ -43,16 +49,21 @@ class MultiAdapterSettings:
     micro_batch_size: int
     temperature: float = 1.0
     seed: int = 0
+    routing_replay: bool = False  # R3: train with the rollout's expert choices (rollout.routing_replay)
+    recompute: bool = False  # trainer.parallel.recompute: gradient checkpointing of every decoder layer
+    max_tokens_per_micro_batch: int = 0  # trainer.use_dynamic_batch_size: the token budget; 0: micro_batch_size
 
     @classmethod
     def from_plan(cls, plan: Plan) -> MultiAdapterSettings:
         return cls(
-            plan.algorithm, plan.optimizer, plan.trainer.parallel.micro_batch_size, plan.rollout.temperature, plan.seed
+            plan.algorithm, plan.optimizer, plan.trainer.parallel.micro_batch_size, plan.rollout.temperature, plan.seed,
+            routing_replay=plan.capabilities.use_routing_replay,
+            recompute=plan.trainer.parallel.recompute,
+            max_tokens_per_micro_batch=plan.trainer.max_tokens_per_micro_batch,
         )
 
     def loss_config(self) -> PolicyLossConfig:
-        a = self.algorithm
-        return PolicyLossConfig(a.eps_clip, a.eps_clip_high, a.kl_coef, a.entropy_coef, a.use_tis)
+        return loss_config(self.algorithm)
 
 
 @dataclass
@@ -86,9 +97,12 @@ class MultiAdapterTrainer:
             n_samples_per_prompt=1,
         )
         self.model = get_peft_model(base, lora_model.lora_config(idle), adapter_name=IDLE_ADAPTER)
+        if settings.recompute:
+            lora_model.enable_recompute(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.pad_id = AutoTokenizer.from_pretrained(str(model_path)).pad_token_id or 0
+        self.routing = routing_layout(self.model) if settings.routing_replay else None
         self.slots: dict[int, _Slot] = {}
 
     # ---- slots --------------------------------------------------------------------------------------
@@ -121,6 +135,7 @@ class MultiAdapterTrainer:
     def train(self, samples: Sequence[TrainingSample], step_slots: Collection[int]) -> dict[int, dict[str, float]]:
         """Accumulate every sample's gradients into its slot's adapter (samples group by group, as a TrainBatch
         orders them), then step the slots in `step_slots`. Returns metrics per slot that had samples or stepped."""
+        check_routed_experts(samples, self.routing)  # the whole batch on every rank: all fail alike
         by_slot: dict[int, list[TrainingSample]] = {}
         for sample in samples:
             by_slot.setdefault(int(sample.metadata["slot"]), []).append(sample)
@@ -137,29 +152,38 @@ class MultiAdapterTrainer:
         self._activate(entry)
         s = self.settings
         rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])
-        advantages = group_advantages(
-            rewards, entry.adapter.n_samples_per_prompt, s.algorithm.normalize_advantages_by_std
-        )
+        # The slot's own samples of this call set its baselines and whitening statistics: tenants never mix.
+        estimator = Estimator.from_algorithm(s.algorithm, entry.adapter.n_samples_per_prompt)
         rank, world = rank_and_world()
+        all_reduce = _all_reduce if world > 1 else None
         local = list(range(rank, len(samples), world))  # whole groups set the advantages; ranks share the rows
         means = MetricMeans()
         if local:
-            full = pack_samples([samples[i] for i in local], self.pad_id)
+            full = pack_samples([samples[i] for i in local], self.pad_id, self.routing)
             old = full.rollout_log_probs if s.algorithm.use_rollout_logprobs else None  # else on-policy
-            ref = self._reference_log_probs(full) if s.algorithm.kl_coef > 0 else None
+            ref = self._log_probs(full, adapter=False) if s.algorithm.kl_coef > 0 else None
+            kl = k3_kl(self._log_probs(full) if old is None else old, ref) if estimator.kl_in_reward else None
+            valid = full.attention_mask[:, 1:]
+            advantages = estimator.advantages(rewards, local, full.loss_mask, valid, kl, all_reduce)
+            budget = s.max_tokens_per_micro_batch
             # Normalizer 1: each sample adds its own loss; the step divides by the adapter's global batch size.
             accumulate_policy_gradients(
-                self.model, full, list(range(len(local))), advantages[local], old, ref, self.loss_config, means,
-                temperature=s.temperature, micro_batch_size=s.micro_batch_size, normalizer=1.0,
+                self.model, full, list(range(len(local))), advantages, old, ref, self.loss_config, means,
+                temperature=s.temperature,
+                micro_batches=plan_micro_batches(row_lengths(full), size=s.micro_batch_size, max_tokens=budget),
+                normalizer=1.0, cut=budget > 0,
             )  # fmt: skip
+        elif all_reduce is not None and estimator.whitens:
+            masked_whiten(torch.zeros(1, 1), torch.zeros(1, 1), all_reduce)  # the ranks with rows whiten together
         entry.pending_samples += len(samples)
         # "samples": this rank's, the ones its loss sum covers; the reward is over the whole batch.
         return {**means.result(), "reward_mean": float(rewards.mean()), "samples": float(len(local))}
 
     @torch.no_grad()
-    def _reference_log_probs(self, full) -> torch.Tensor:
+    def _log_probs(self, full, *, adapter: bool = True) -> torch.Tensor:
+        """The active slot's log-probs of the batch, or (adapter off) the reference's."""
         self.model.eval()
-        with self.model.disable_adapter():
+        with nullcontext() if adapter else self.model.disable_adapter():
             return token_log_probs(self.model, full, temperature=self.settings.temperature)[0]
 
     def _step(self, slot: int) -> dict[str, float]:
@@ -215,6 +239,12 @@ class MultiAdapterTrainer:
                 param.copy_(tensor)
         entry.optimizer.load_state_dict(state["optimizer"])
         entry.step = int(state["step"])
+
+
+def _all_reduce(tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)
 
 
 def _sum_over_ranks(params: list[torch.nn.Parameter]) -> None:

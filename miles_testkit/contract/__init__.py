@@ -17,6 +17,8 @@ Modules:
     abort_pause   checks: aborts and the three pause modes
     chat          checks: the OpenAI chat endpoint
     errors        checks: malformed requests
+    sglang_spec   the pinned SGLang's request definitions, read from its wheel (routes, fields, shapes)
+    wire_check    a sent request body checked against them (what SGLang refuses, and what it would drop)
 """
 
 # Imported for their @contract_check registrations. Import order is the order of CONTRACT_CHECKS, which is the

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from miles_runner.core.sglang_protocol import MILES_FORK
 from miles_runner.engine import response as res
 from miles_testkit.contract.base import ContractTarget, contract_check
 from miles_testkit.contract.helpers import (
@@ -46,6 +47,9 @@ async def abort_all_aborts_non_streaming_requests(target: ContractTarget) -> dic
 
 @contract_check
 async def abort_by_prefix_aborts_every_match(target: ContractTarget) -> dict[str, Any]:
+    """A fork-only field (core.sglang_protocol): stock SGLang drops `prefix`, so nothing matches the bare prefix."""
+    if target.build != MILES_FORK:
+        return await _stock_drops_the_prefix(target)
     prefix = rid("prefix") + "-"
     async with contextlib.AsyncExitStack() as running:
         streams = [
@@ -62,6 +66,16 @@ async def abort_by_prefix_aborts_every_match(target: ContractTarget) -> dict[str
     expect(all(res.is_aborted(final) for final in finals), "a request matching the prefix was not aborted")
     expect(res.finish_reason_type(await bystander) == "length", "a request outside the prefix was aborted")
     return {}
+
+
+async def _stock_drops_the_prefix(target: ContractTarget) -> dict[str, Any]:
+    prefix = rid("prefix") + "-"
+    async with BackgroundStream(target.client, generate_payload(16, rid=f"{prefix}0")) as stream:
+        await stream.wait_started()
+        await target.client.abort_request(prefix, prefix=True)
+        final = await stream.result()
+    expect(res.finish_reason_type(final) == "length", "a stock engine aborted by prefix, which it does not serve")
+    return {"prefix": "dropped (stock)"}
 
 
 @contract_check

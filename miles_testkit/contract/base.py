@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_runner.core.sglang_protocol import MILES_FORK
 from miles_runner.engine.client import EngineClient
 
 PROMPT = "What is 3 plus 4?"
@@ -28,11 +29,12 @@ class ContractViolation(AssertionError):
 class ContractTarget:
     """A live engine and what the checks need to know about it.
 
-    `lora_wire` turns `{name: tensor}` into the `serialized_tensors` string the engine takes and
-    `weights_wire` into one `serialized_named_tensors` entry (MultiprocessingSerializer strings for real
-    SGLang, base64 safetensors for the embedded engine). `long_tokens` is a generation length that is still
-    running a moment after its first token arrives. `logprob_tol` is how far two runs of the same request
-    may differ (float32 on CPU is near exact; an engine in bf16 needs more).
+    `lora_wire` turns an adapter's `{name: tensor}` and `weights_wire` base weights into one entry of
+    `serialized_named_tensors` (MultiprocessingSerializer strings for real SGLang, base64 safetensors for the
+    embedded engine: engine/tensor_wire.py). `long_tokens` is a generation length that is still running a
+    moment after its first token arrives. `logprob_tol` is how far two runs of the same request may differ
+    (float32 on CPU is near exact; an engine in bf16 needs more). `build` is the SGLang build the engine serves
+    as (core.sglang_protocol): the checks of fork-only features expect the fork's behaviour, or stock's.
     """
 
     client: EngineClient
@@ -43,6 +45,7 @@ class ContractTarget:
     weights_wire: TensorWire
     long_tokens: int = 512
     logprob_tol: float = 1e-3
+    build: str = MILES_FORK
 
     def same_logprobs(self, a: list[float], b: list[float]) -> bool:
         return len(a) == len(b) and all(abs(x - y) <= self.logprob_tol for x, y in zip(a, b, strict=True))

@@ -61,7 +61,7 @@ async def lora_load_from_tensors_matches_disk_adapter(target: ContractTarget) ->
     tensors = load_file(str(target.adapter_path / "adapter_model.safetensors"))
     config = json.loads((target.adapter_path / "adapter_config.json").read_text())
     name = f"contract_tensors_{uuid.uuid4().hex[:8]}"
-    loaded = await target.client.load_lora_adapter_from_tensors(name, config, target.lora_wire(tensors))
+    loaded = await target.client.load_lora_adapter_from_tensors(name, config, [target.lora_wire(tensors)])  # TP 1
     try:
         expect(loaded["success"] is True, f"load_lora_adapter_from_tensors reply {loaded}")
         _, from_tensors = await greedy_logprobs(target.client, lora_path=name)

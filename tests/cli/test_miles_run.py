@@ -32,17 +32,25 @@ def test_recipes_lists_every_recipe_with_a_description(capsys):
 
 
 def test_plan_flag_writes_plan_config_and_provenance(tmp_path, capsys):
-    assert main(["+recipe=glm52_lora_agentic", "--plan", f"run.output_root={tmp_path}"]) == 0
+    assert main(["+recipe=tiny_multi_lora", "--plan", f"run.output_root={tmp_path}"]) == 0
     out = capsys.readouterr().out
     run_dir = only_run_dir(tmp_path)
     assert {p.name for p in run_dir.iterdir()} == {"plan.yaml", "config.yaml", "provenance.json"}
-    assert f"plan glm52_lora_agentic -> {run_dir / 'plan.yaml'}" in out
-    assert "4 nodes x 8 H200 (32 GPUs), colocated" in out
-    assert "python -m sglang.launch_server" in out
+    assert f"plan tiny_multi_lora -> {run_dir / 'plan.yaml'}" in out
+    assert "1 node x 2 CPU slots (no GPU), disaggregated" in out
+    assert "python -m miles_runner.embedded_engine" in out
+
+
+def test_a_gpu_recipe_this_release_cannot_run_is_refused_with_what_is_missing(tmp_path, capsys):
+    assert main(["+recipe=glm52_lora_agentic", "--plan", f"run.output_root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "megatron-trainer-not-built" in err and "issue 13" in err
+    assert "multi-node-ray-not-built" in err and "issue 12" in err
+    assert not list(tmp_path.rglob("plan.yaml")), "nothing is written for a refused experiment"
 
 
 def test_saved_plan_reads_back_identical(tmp_path):
-    overrides = ["+recipe=multi_lora_math", f"run.output_root={tmp_path}"]
+    overrides = ["+recipe=tiny_multi_lora", f"run.output_root={tmp_path}"]
     assert main([*overrides, "--plan"]) == 0
     assert read_plan(only_run_dir(tmp_path) / "plan.yaml") == compile_plan(compose(overrides))
 
@@ -98,7 +106,7 @@ def test_unknown_flag_exits_2(capsys):
 def test_plan_path_imports_no_heavy_package(tmp_path):
     code = (
         "import sys; from miles_runner.cli.main import main; "
-        f"main(['+recipe=glm52_lora_agentic', '--plan', 'run.output_root={tmp_path}']); "
+        f"main(['+recipe=tiny_multi_lora', '--plan', 'run.output_root={tmp_path}']); "
         "print(sorted(m for m in ('torch', 'ray', 'transformers', 'sglang', 'peft') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

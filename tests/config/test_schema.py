@@ -58,6 +58,7 @@ def test_wrong_type_names_the_full_path_and_the_expected_type():
 def test_invalid_choice_in_an_enum_field_suggests_a_valid_one():
     [problem] = problems_of(["weight_sync.pause_generation_mode=in-place"])
     assert "did you mean 'in_place'?" in problem.reason
+    assert problem.fix == "weight_sync.pause_generation_mode=in_place"
 
 
 def test_all_schema_problems_are_reported_at_once():

@@ -89,7 +89,10 @@ async def test_duplicate_in_flight_rid_is_400(client):
         ("/pause_generation", {"mode": "sideways"}),
         ("/load_lora_adapter", {"lora_name": "x"}),
         ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"}),
-        ("/load_lora_adapter_from_tensors", {"lora_name": "x", "config_dict": {"r": 2}, "serialized_tensors": "%%%"}),
+        (
+            "/load_lora_adapter_from_tensors",
+            {"lora_name": "x", "config_dict": {"r": 2}, "serialized_named_tensors": ["%%%"]},
+        ),
         ("/update_weights_from_disk", {"model_path": "/no/such/model"}),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64 !"]}),
         ("/update_weight_version", {}),

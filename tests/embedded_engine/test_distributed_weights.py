@@ -124,8 +124,8 @@ async def test_upsert_replaces_a_loaded_adapters_weights_in_place(http, group, a
         assert reply.status_code == 200, reply.text
         assert list(reply.json()["loaded_adapters"]) == ["slot"]
         config, tensors = adapter(adapter_dirs["attn_b"])
-        doubled = {"lora_name": "doubled", "config_dict": config,
-                   "serialized_tensors": serialize_lora_tensors({k: v * 2 for k, v in tensors.items()})}  # fmt: skip
+        doubled_tensors = serialize_lora_tensors({k: v * 2 for k, v in tensors.items()})
+        doubled = {"lora_name": "doubled", "config_dict": config, "serialized_named_tensors": [doubled_tensors]}
         assert (await http.post("/load_lora_adapter_from_tensors", json=doubled)).status_code == 200
         after = await logprobs(http, "slot")
         assert after != pytest.approx(before, abs=1e-5)

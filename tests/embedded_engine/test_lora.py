@@ -87,7 +87,7 @@ async def test_load_from_tensors_equals_load_from_disk(client, adapter_dirs):
     body = {
         "lora_name": "attn_b_tensors",
         "config_dict": json.loads((folder / "adapter_config.json").read_text()),
-        "serialized_tensors": serialize_lora_tensors(load_file(folder / "adapter_model.safetensors")),
+        "serialized_named_tensors": [serialize_lora_tensors(load_file(folder / "adapter_model.safetensors"))],
     }
     response = await client.post("/load_lora_adapter_from_tensors", json=body)
     assert response.status_code == 200, response.text

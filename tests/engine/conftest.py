@@ -11,7 +11,9 @@ import pytest
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.procs.ports import free_port
 from miles_testkit.contract import build_contract_adapter, contract_engine_argv
+from miles_testkit.contract.sglang_spec import SGLangSpec, SpecMissing, load_spec, pinned_wheel
 from miles_testkit.launch import engine_url, start_engine
+from miles_testkit.servers import RecordingProxy
 
 from .engines import EMBEDDED, ENGINE_START_TIMEOUT_S, TEST_ENV
 
@@ -39,3 +41,22 @@ def contract_engine_url(
     engine = start_engine(argv, port=port, log_path=log_path, env=TEST_ENV, timeout_s=ENGINE_START_TIMEOUT_S)
     yield engine_url(argv, port)
     engine.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_spec() -> SGLangSpec:
+    """The pinned SGLang's request definitions, read from the wheel `make sglang-spec` downloads (CI runs make
+    test, which downloads it first: there a missing wheel fails; a bare pytest run skips with the command)."""
+    try:
+        return load_spec(pinned_wheel())
+    except SpecMissing as missing:
+        if os.environ.get("CI"):
+            pytest.fail(str(missing))
+        pytest.skip(str(missing))
+
+
+@pytest.fixture
+def recording_proxy(contract_engine_url: str) -> Iterator[RecordingProxy]:
+    """The contract engine behind a recording proxy: point a client at `.url`, read what it sent in `.sent`."""
+    with RecordingProxy(contract_engine_url) as proxy:
+        yield proxy

@@ -54,7 +54,7 @@ def test_a_dead_engine_comes_back_on_its_port_behind_the_router_until_the_budget
         assert new in executor.group.processes  # so it is stopped with the others
 
         kill_engine(executor, 0)
-        with pytest.raises(EngineLostError, match=r"engine0 .* executor\.engine_restarts=1 restart\(s\) are used up"):
+        with pytest.raises(EngineLostError, match=r"engine0: .* executor\.engine_restarts=1 restart\(s\) are used up"):
             executor.restart_dead_engines()
         replacement_pid = new.pid
     assert wait_gone([p.pid for p in executor.engines] + [replacement_pid]) == []

@@ -50,9 +50,3 @@ def test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_pro
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids)
     assert port_is_free("127.0.0.1", plan.engines[0].launch.port), "the restarted engine outlived the run"
-
-
-def test_multi_node_plan_is_refused_with_its_reason(tmp_path):
-    plan = compile_plan(compose(["+recipe=glm52_lora_agentic"]))
-    with pytest.raises(RuntimeError, match="spans 4 nodes"):
-        RayExecutor(plan, tmp_path).start()

@@ -16,6 +16,7 @@ from miles_runner.config.compose import compose
 from miles_runner.core.adapters import rid_prefix
 from miles_runner.core.errors import PlanError
 from miles_runner.engine.client import EngineClient
+from miles_runner.engine.workers import WorkerPool
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.config import resolve_adapter_config
@@ -60,7 +61,7 @@ class SessionServer:
     url: str
     core: SessionCore
     created: list[AdapterSlot | None] = field(default_factory=list)  # the binding of every session created
-    upstream: list[dict[str, Any]] = field(default_factory=list)  # every turn's body as sent to the engine
+    upstream: list[dict[str, Any]] = field(default_factory=list)  # every turn's /generate body as sent
     before_upstream: Callable[[], None] = lambda: None  # runs as each turn is sent
 
 
@@ -71,18 +72,18 @@ async def session_server(engine_url, model_dir, tito) -> AsyncIterator[SessionSe
     app = create_app(SessionServerConfig(engine_url=engine_url, model_path=str(model_dir)), tito)
     async with serve(app) as [url]:
         server = SessionServer(url, app.state.core)
-        create, send = server.core.create, server.core.engine.chat_completions
+        create, send = server.core.create, server.core.upstream.generate
 
         def recorded_create(adapter: AdapterSlot | None = None):
             server.created.append(adapter)
             return create(adapter)
 
-        async def recorded_send(body: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        async def recorded_send(session_id: str, body: dict[str, Any]) -> dict[str, Any]:
             server.upstream.append(dict(body))
             server.before_upstream()
-            return await send(body, **kwargs)
+            return await send(session_id, body)
 
-        server.core.create, server.core.engine.chat_completions = recorded_create, recorded_send
+        server.core.create, server.core.upstream.generate = recorded_create, recorded_send
         yield server
 
 
@@ -92,11 +93,17 @@ async def engine(engine_url) -> AsyncIterator[EngineClient]:
         yield client
 
 
-def context(plan: Plan, engine: EngineClient, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
+@pytest.fixture
+async def workers(engine_url) -> AsyncIterator[WorkerPool]:
+    async with WorkerPool.for_deployment(None, [engine_url], timeout_s=120) as pool:
+        yield pool
+
+
+def context(plan: Plan, workers: WorkerPool, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
     plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, **rollout))
     return RolloutContext(
-        plan=plan, client=engine, tokenizer=tito, task=make_task("count", plan.seed), reward=get_reward("exact_match"),
-        agent=get_agent(plan.rollout.agent), session_url=session_url, lora_name=None,
+        plan=plan, workers=workers, tokenizer=tito, task=make_task("count", plan.seed),
+        reward=get_reward("exact_match"), agent=get_agent(plan.rollout.agent), session_url=session_url, lora_name=None,
     )  # fmt: skip
 
 
@@ -120,10 +127,10 @@ async def play_group(rollout: MultiLoRARollout, adapter: AdapterRun):
 
 
 async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot_rid_and_version(
-    session_server, engine, plan, tito
+    session_server, workers, plan, tito
 ):
     adapter = retry_adapter(slot=1)
-    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
                                seed=0)  # fmt: skip
     samples = await play_group(rollout, adapter)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_1", 3)] * 2
@@ -137,19 +144,19 @@ async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot
     assert not session_server.core.sessions  # every session is deleted after its samples were collected
 
 
-async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, engine, plan, tito):
+async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, workers, plan, tito):
     stamped = retry_adapter(slot=0, n=1)
     pushed = dataclasses.replace(stamped, version=5)  # the weights were pushed again after the group was taken
-    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
                                seed=0)  # fmt: skip
     await play_group(rollout, stamped)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_0", 5)]
     assert {body["extra_key"] for body in session_server.upstream} == {"retry:v5"}
 
 
-async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_session(session_server, engine, plan, tito):
+async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_session(session_server, workers, plan, tito):
     gone = retry_adapter()
-    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(snapshot), seed=0)
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(snapshot), seed=0)
     samples = await play_group(rollout, gone)
     assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
     assert session_server.created == [] and session_server.upstream == []
@@ -157,22 +164,22 @@ async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_sessi
 
 
 async def test_a_name_registered_again_gets_no_session_for_the_old_registrations_group(
-    session_server, engine, plan, tito
+    session_server, workers, plan, tito
 ):
     old = retry_adapter()
     new = dataclasses.replace(old, registration_id="reg-again")
-    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito), cache_of(lambda: snapshot(new)),
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(new)),
                                seed=0)  # fmt: skip
     samples = await play_group(rollout, old)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert session_server.created == []
 
 
-async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_server, engine, plan, tito):
+async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_server, workers, plan, tito):
     adapter = retry_adapter(n=1)
     current = {"snapshot": snapshot(adapter)}
     session_server.before_upstream = lambda: current.update(snapshot=RegistrySnapshot())  # retired as turn 1 goes
-    rollout = MultiLoRARollout(context(plan, engine, session_server.url, tito),
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito),
                                cache_of(lambda: current["snapshot"]), seed=0)  # fmt: skip
     [sample] = await play_group(rollout, adapter)
     assert sample.status is SampleStatus.ABORTED
@@ -180,9 +187,11 @@ async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_ser
     assert not session_server.core.sessions
 
 
-async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(session_server, engine, plan, tito):
+async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(
+    session_server, engine, workers, plan, tito
+):
     adapter = retry_adapter()
-    ctx = context(plan, engine, session_server.url, tito, max_response_len=LONG)
+    ctx = context(plan, workers, session_server.url, tito, max_response_len=LONG)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     group = asyncio.create_task(play_group(rollout, adapter))
     await eventually(lambda: len(session_server.upstream) == 2, timeout_s=60)
@@ -196,9 +205,9 @@ async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(ses
     assert not session_server.core.sessions
 
 
-async def test_an_unreachable_session_server_costs_the_group_not_the_run(engine, plan, tito):
+async def test_an_unreachable_session_server_costs_the_group_not_the_run(workers, plan, tito):
     adapter = retry_adapter()
-    ctx = context(plan, engine, f"http://{LOOPBACK}:{free_port()}", tito)
+    ctx = context(plan, workers, f"http://{LOOPBACK}:{free_port()}", tito)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     samples = await play_group(rollout, adapter)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
@@ -207,20 +216,20 @@ async def test_an_unreachable_session_server_costs_the_group_not_the_run(engine,
 
 @pytest.mark.parametrize("through_sessions", [True, False], ids=["session", "native"])
 async def test_a_slot_the_engine_has_not_loaded_costs_the_group_not_the_run(
-    session_server, engine, plan, tito, through_sessions
+    session_server, workers, plan, tito, through_sessions
 ):
     """An engine that restarted holds no adapter until the driver pushes them again: SGLang answers 400."""
     adapter = retry_adapter(slot=3)  # the engine holds slots 0 and 1 only
-    ctx = context(plan, engine, session_server.url if through_sessions else None, tito)
+    ctx = context(plan, workers, session_server.url if through_sessions else None, tito)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     samples = await play_group(rollout, adapter)
     assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
     assert rollout.aborted["retry"] == 2 and rollout.posted["retry"] == 2
 
 
-async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(session_server, engine, plan, tito):
+async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(session_server, workers, plan, tito):
     plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=2))
-    ctx = dataclasses.replace(context(plan, engine, session_server.url, tito), task=make_task("count_retry", 0))
+    ctx = dataclasses.replace(context(plan, workers, session_server.url, tito), task=make_task("count_retry", 0))
     samples = await rollout_agentic(ctx, [ctx.task.prompt(0)])
     assert [s.metadata["turns"] for s in samples] == [2, 2]
     assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from miles_runner.engine.client import EngineClient
+from miles_runner.engine.workers import fixed_workers
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
-from miles_runner.multi_lora.controller import MultiLoRAController, fixed_workers
+from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.producer import GroupProducer, request_fields
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.session.samples import STATUS_OF_FINISH, Sample, SampleStatus

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from miles_runner.engine.workers import fixed_workers
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.collect import collect_batch
-from miles_runner.multi_lora.controller import MultiLoRAController, fixed_workers
+from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.producer import GroupProducer
 
 from .helpers import LIMITS, DeterministicGenerator, defaults, eventually

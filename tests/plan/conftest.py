@@ -1,5 +1,9 @@
 """Compiling override lists through the public path (Hydra compose -> compile_plan), cached per test session.
 
+`outcome` and `problems` are what `miles-run` gets (compile_plan: every rule). `plan` is the design
+(compile_design: the NOT_BUILT refusals left out), so the spec's rules can be checked on GPU recipes whose
+trainer this release has not built yet.
+
 Each compose costs ~0.1 s and the rule tables reuse the same configs (a bad config, then bad + its fix), so
 outcomes are memoised. Hydra applies overrides in order and the last one for a key wins, so an earlier
 override of the same key is dropped first: `base + bad + fix` then shares its entry with `base + good`.
@@ -12,14 +16,14 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.core.errors import PlanError, Problem
-from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.plan.model import Plan
 
 
 @cache
-def _outcome(overrides: tuple[str, ...]) -> Plan | PlanError:
+def _outcome(overrides: tuple[str, ...], design: bool = False) -> Plan | PlanError:
     try:
-        return compile_plan(compose(list(overrides)))
+        return (compile_design if design else compile_plan)(compose(list(overrides)))
     except PlanError as exc:
         return exc
 
@@ -30,9 +34,9 @@ def last_per_key(overrides: Sequence[str]) -> tuple[str, ...]:
     return tuple(o for i, o in enumerate(overrides) if keys[i] not in keys[i + 1 :])
 
 
-def compile_overrides(overrides: Sequence[str]) -> Plan | PlanError:
+def compile_overrides(overrides: Sequence[str], *, design: bool = False) -> Plan | PlanError:
     """The Plan, or the PlanError, for these overrides (any other exception propagates: it is a bug)."""
-    return _outcome(last_per_key(overrides))
+    return _outcome(last_per_key(overrides), design)
 
 
 @pytest.fixture(scope="session")
@@ -53,10 +57,10 @@ def problems() -> Callable[[Sequence[str]], list[Problem]]:
 
 @pytest.fixture(scope="session")
 def plan() -> Callable[[Sequence[str]], Plan]:
-    """The Plan for these overrides; fails the test, showing the problems, when they do not compile."""
+    """The design Plan for these overrides; fails the test, showing the problems, when they do not compile."""
 
     def of(overrides: Sequence[str]) -> Plan:
-        result = compile_overrides(overrides)
+        result = compile_overrides(overrides, design=True)
         if isinstance(result, PlanError):
             pytest.fail(f"{list(overrides)} did not compile:\n{result}")
         return result

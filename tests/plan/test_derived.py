@@ -80,7 +80,8 @@ def test_cpu_only_cluster_keeps_offload_off(plan):
 
 
 def test_disaggregated_gpu_cluster_keeps_offload_off(plan):
-    p = plan([*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1"])
+    disaggregated = ("cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1")
+    p = plan([*QWEN30, *disaggregated, "engine.build=miles_fork"])  # its broadcast sync needs the fork
     assert (p.capabilities.offload_train, p.capabilities.offload_rollout) == (False, False)
     assert "--enable-memory-saver" not in engine_argv(p)
 

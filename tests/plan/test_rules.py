@@ -49,7 +49,11 @@ ASYNC = (*CPU_DISAGG, "rollout.driver=async", "rollout.max_weight_staleness=1", 
 FULLY_ASYNC = (*ASYNC, "rollout.fully_async=true")
 MULTI_ASYNC = (*TINY_MULTI, "rollout.driver=async", "algorithm.use_tis=true")
 NATIVE_RAW = ("lora_mode=raw", "model.native_lora=true")
-QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1")
+# Disaggregated LoRA sync broadcasts the adapter: a route only the sglang-miles fork serves.
+QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1",
+                 "engine.build=miles_fork")  # fmt: skip
+INTERVAL, STALE = "weight_sync.update_weights_interval", "rollout.max_weight_staleness"
+ESTIMATOR = "algorithm.advantage_estimator"
 # tiny_multi_lora's adapters, the first one replaced (a whole-list override: its items set only a few keys).
 TINY_RUNS = "adapters.runs=[{first}, {{name: reverse, task: reverse}}, {{name: count, task: count}}]"
 
@@ -107,6 +111,34 @@ CASES = [
         "async-driver-is-one-step-stale", ASYNC,
         ("rollout.max_weight_staleness=0",), ("rollout.max_weight_staleness=1",),
     ),
+    # ---- the adapter push cadence and the checks of each push ----
+    RuleCase("update-interval-positive", CPU, (f"{INTERVAL}=0",), (f"{INTERVAL}=1",)),
+    RuleCase(
+        "update-interval-within-staleness", CPU,
+        (f"{INTERVAL}=3", "algorithm.use_tis=true"), (f"{INTERVAL}=3", "algorithm.use_tis=true", f"{STALE}=2"),
+    ),
+    RuleCase(
+        "update-interval-within-staleness", ASYNC, (f"{INTERVAL}=2",), (f"{INTERVAL}=2", f"{STALE}=2"), "async"
+    ),
+    RuleCase(
+        "update-interval-needs-off-policy-correction", CPU,
+        (f"{INTERVAL}=2", f"{STALE}=1"), (f"{INTERVAL}=2", f"{STALE}=1", "algorithm.use_tis=true"),
+    ),
+    RuleCase(
+        "multi-lora-pushes-every-step", TINY_MULTI, (f"{INTERVAL}=2", "algorithm.use_tis=true"), (f"{INTERVAL}=1",)
+    ),
+    RuleCase("verify-needs-on-policy-batches", ASYNC, ("weight_sync.verify=true",), ("weight_sync.verify=false",)),
+    RuleCase(
+        "verify-needs-on-policy-batches", TINY_MULTI, ("weight_sync.verify=true",), ("weight_sync.verify=false",),
+        "multi",
+    ),
+    RuleCase(
+        "max-logprob-gap-positive", CPU, ("weight_sync.max_logprob_gap=0",), ("weight_sync.max_logprob_gap=0.05",)
+    ),
+    RuleCase(
+        "check-weight-equal-cannot-read-adapters", CPU,
+        ("weight_sync.check_weight_equal=true",), ("weight_sync.check_weight_equal=false",),
+    ),
     # ---- offload and optimizer storage ----
     RuleCase("disk-offload-needs-megatron", CPU, ("trainer.offload_target=disk",), ("trainer.offload_target=cpu",)),
     RuleCase(
@@ -123,6 +155,8 @@ CASES = [
         ("trainer.rematerialize_param_from_master_weight=true",),
         ("trainer.rematerialize_param_from_master_weight=true", *FULL_WEIGHTS),
     ),
+    RuleCase("optimizer-cpu-offload-needs-megatron", CPU, ("optimizer.cpu_offload=true",),
+             ("optimizer.cpu_offload=false",)),
     # ---- weight transfer ----
     RuleCase(
         "lora-sync-needs-broadcast", CPU_DISAGG,
@@ -252,8 +286,8 @@ CASES = [
         "routing-replay-needs-moe", ("rollout.routing_replay=true",), ("model=tiny_dense",), ("model=tiny_moe",)
     ),
     RuleCase(
-        "indexer-replay-needs-dsa", CPU,
-        ("rollout.indexer_replay=true",), ("rollout.indexer_replay=true", "model.has_dsa_indexer=true"),
+        "indexer-replay-needs-dsa", (*GLM, "rollout.indexer_replay=true"),
+        ("model.has_dsa_indexer=false",), ("model.has_dsa_indexer=true",),
     ),
     RuleCase(
         "indexer-replay-needs-dsa", (*GLM, "rollout.indexer_replay=true"),
@@ -347,6 +381,99 @@ CASES = [
     RuleCase(
         "ports-distinct", (*TINY, "router=sglang"), ("router.port=30001",), ("router.port=30000",), "router-session"
     ),
+    # ---- settings one backend honours; what this release has not built ----
+    RuleCase("megatron-trainer-not-built", QWEN05, (), ("trainer=fsdp", "lora_mode=peft")),
+    RuleCase("full-weight-training-not-built", CPU, FULL_WEIGHTS, ()),
+    RuleCase("fully-async-not-built", CPU, FULLY_ASYNC, ASYNC),
+    RuleCase("train-only-adapter-not-built", CPU, ("adapters.train_only=true",), ("adapters.train_only=false",)),
+    RuleCase("multi-node-ray-not-built", ("executor=ray",), ("cluster.nodes=2",), ("cluster.nodes=1",)),
+    RuleCase(
+        "embedded-engine-takes-no-sglang-gpu-settings", CPU,
+        ("engine.mem_fraction_static=0.5",), ("engine.mem_fraction_static=0.8",),
+    ),
+    RuleCase(
+        "embedded-engine-takes-no-sglang-gpu-settings", CPU,
+        ("engine.extra_args=[--max-running-requests,8]",), ("engine.extra_args=[]",), "extra-args",
+    ),
+    RuleCase(
+        "embedded-engine-takes-no-sglang-gpu-settings", CPU,
+        ("engine.enable_cuda_graph=false",), ("engine.enable_cuda_graph=true",), "cuda-graph",
+    ),
+    RuleCase(
+        "embedded-engine-takes-no-sglang-gpu-settings", CPU,
+        ("adapters.base_cpu_backup=true",), ("adapters.base_cpu_backup=false",), "cpu-backup",
+    ),
+    RuleCase(
+        "cpu-backup-needs-colocated-lora-rollout", QWEN30_DISAGG,
+        ("adapters.base_cpu_backup=true",), ("adapters.base_cpu_backup=false",),
+    ),
+    RuleCase(
+        "megatron-lora-layouts-need-megatron", CPU,
+        ("adapters.lora_type=canonical_lora",), ("adapters.lora_type=lora",),
+    ),
+    RuleCase(
+        "megatron-lora-layouts-need-megatron", CPU,
+        ("adapters.experts_shared_outer=true",), ("adapters.experts_shared_outer=false",), "shared-outer",
+    ),
+    RuleCase("fsdp-pads-rows", CPU, ("trainer.parallel.qkv_format=thd",), ("trainer.parallel.qkv_format=bshd",)),
+    RuleCase(
+        "offload-needs-megatron", ("cluster=gpu_1x", "engine=sglang"),
+        ("topology.offload_train=true",), ("topology.offload_train=false",),
+    ),
+    RuleCase(
+        "offload-needs-megatron", ("cluster=gpu_1x", "engine=sglang"),
+        ("topology.offload_rollout=true",), ("topology.offload_rollout=false",), "rollout",
+    ),
+    RuleCase(
+        "host-memory-holds-cpu-plan", CPU, ("cluster.memory_gb_per_node=0.001",), ("cluster.memory_gb_per_node=24",)
+    ),
+    RuleCase("cpu-cluster-runs-no-gpu-components", CPU, ("cluster.gpu_type=H100",), ("cluster.gpu_type=none",),
+             "gpu-type"),
+    RuleCase("cpu-cluster-runs-no-gpu-components", CPU, ("topology.offload_train=true",),
+             ("topology.offload_train=false",), "offload"),
+    RuleCase("starting-adapter-fits-plan", CPU, ("adapters.path=/no/such/adapter",), ("adapters.path=''",)),
+    RuleCase("starting-adapter-fits-plan", TINY_MULTI, ("adapters.path=/no/such/adapter",), ("adapters.path=''",),
+             "multi"),
+    # ---- the model description matches its checkpoint ----
+    RuleCase("model-matches-checkpoint", CPU, ("model.num_layers=4",), ("model.num_layers=2",)),
+    RuleCase("model-matches-checkpoint", CPU, ("model.hidden_size=128",), ("model.hidden_size=64",), "hidden"),
+    RuleCase("model-matches-checkpoint", CPU, ("model.moe_topk=4",), ("model.moe_topk=2",), "topk"),
+    RuleCase("model-matches-checkpoint", CPU, ("model.family=qwen2",), ("model.family=qwen3_moe",), "family"),
+    RuleCase(
+        "model-matches-checkpoint", CPU, ("model.max_context_len=4096",), ("model.max_context_len=1024",), "context"
+    ),
+    RuleCase("served-model-name-has-no-colon", CPU, ("model.name=org:tiny",), ("model.name=org-tiny",)),
+    # ---- a stock SGLang plan uses no feature only the sglang-miles fork serves ----
+    RuleCase("stock-sglang-has-no-lora-broadcast", CPU_DISAGG, ("engine.build=stock",), ("engine.build=miles_fork",)),
+    RuleCase("stock-sglang-has-no-lora-broadcast", CPU_DISAGG, ("engine.build=stock",),
+             ("engine.build=stock", "topology=colocated"), "colocated"),
+    RuleCase("stock-sglang-has-no-lora-upsert", CPU_DISAGG, ("engine.build=stock", "pause_generation_mode=in_place"),
+             ("engine.build=miles_fork", "pause_generation_mode=in_place")),
+    RuleCase("stock-sglang-has-no-lora-upsert", TINY_MULTI, ("engine.build=stock",), ("engine.build=miles_fork",),
+             "multi"),
+    RuleCase("stock-sglang-has-no-prefix-abort", TINY_MULTI, ("engine.build=stock",), ("engine.build=miles_fork",)),
+    # ---- estimators, optimizer, trainer and rollout switches, the metrics file ----
+    RuleCase("ppo-needs-critic", CPU, (f"{ESTIMATOR}=ppo",), (f"{ESTIMATOR}=reinforce_plus_plus",)),
+    RuleCase("gamma-needs-reinforce", CPU, ("algorithm.gamma=0.9",),
+             ("algorithm.gamma=0.9", f"{ESTIMATOR}=reinforce_plus_plus")),
+    RuleCase("muon-needs-whole-matrices", CPU, ("optimizer.name=muon",),
+             ("optimizer.name=muon", "topology.actor_num_gpus_per_node=1")),
+    RuleCase("fsdp-optimizer-is-distributed", CPU, ("optimizer.use_distributed_optimizer=false",),
+             ("optimizer.use_distributed_optimizer=false", "topology.actor_num_gpus_per_node=1")),
+    RuleCase("dynamic-batch-token-budget", CPU, ("trainer.use_dynamic_batch_size=true", "trainer.max_tokens_per_gpu=0"),
+             ("trainer.use_dynamic_batch_size=true", "trainer.max_tokens_per_gpu=512")),
+    RuleCase("dynamic-batch-token-budget", CPU, ("trainer.max_tokens_per_gpu=512",),
+             ("trainer.max_tokens_per_gpu=512", "trainer.use_dynamic_batch_size=true"), "unused-budget"),
+    RuleCase("keep-old-actor-not-built", ASYNC, ("trainer.keep_old_actor=true",), ("trainer.keep_old_actor=false",)),
+    RuleCase("group-rm-not-built", CPU, ("rollout.group_rm=true",), ("rollout.group_rm=false",)),
+    RuleCase("partial-rollout-not-built", CPU, ("rollout.partial_rollout=true",), ("rollout.partial_rollout=false",)),
+    RuleCase("prefill-logprob-recompute-not-built", CPU, ("rollout.recompute_logprobs_via_prefill=true",),
+             ("rollout.recompute_logprobs_via_prefill=false",)),
+    RuleCase("metrics-jsonl-needed-to-resume", CPU, ("logger.metrics_jsonl=false", "run.resume=true"),
+             ("logger.metrics_jsonl=false", "run.resume=false")),
+    RuleCase("tito-model-fits-tokenizer", TINY, ("session.tito_model=glm47", "session.max_trim_tokens=1"),
+             ("session.tito_model=qwen3",)),
+    RuleCase("tito-model-needs-trim", GLM, ("session.max_trim_tokens=0",), ("session.max_trim_tokens=1",)),
 ]
 # fmt: on
 

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
 from miles_testkit.launch import start_engine
+from miles_testkit.servers import ThreadedServer
 
 # The random tiny model rarely emits <|im_end|>; stopping on every even token id ends most turns with
 # finish_reason "stop" after a few tokens (a turn cut by max_tokens is TRUNCATED and ends sample merging).
@@ -52,35 +50,6 @@ def start_embedded_engine(model_dir: Path, adapter_dir: Path, log_dir: Path) -> 
     ]  # fmt: skip
     process = start_engine(argv, port=port, log_path=log_dir / "engine.log", timeout_s=300)
     return process, f"http://127.0.0.1:{port}"
-
-
-class ThreadedServer:
-    """A uvicorn server for `app` on a loopback port, running in a daemon thread."""
-
-    def __init__(self, app: FastAPI, port: int | None = None) -> None:
-        self.app = app
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> ThreadedServer:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=30)
-            self._server = None
 
 
 class FaultInjectingUpstream:

@@ -1,7 +1,7 @@
 import pytest
 
 from miles_runner.session.errors import MessageValidationError
-from miles_runner.session.messages import matching_prefix_len, normalize_message, normalize_messages
+from miles_runner.session.messages import matching_prefix_len, normalize_message, normalize_messages, template_view
 
 
 def test_an_sdk_dumped_assistant_message_equals_the_plain_one():
@@ -14,18 +14,18 @@ def test_text_parts_are_joined_into_one_string():
     assert normalize_message(parts)["content"] == "ab"
 
 
-def test_tool_call_arguments_compare_as_objects():
-    as_text = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
-    }
-    as_object = {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}],
-    }
-    assert normalize_message(as_text) == normalize_message(as_object)
+def test_tool_call_arguments_keep_their_wire_spelling_and_lose_the_stream_index():
+    call = {"id": "c1", "type": "function", "index": 0, "function": {"name": "add", "arguments": '{"a": 1}'}}
+    normalized = normalize_message({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert normalized["tool_calls"] == [{"id": "c1", "type": "function",
+                                         "function": {"name": "add", "arguments": '{"a": 1}'}}]  # fmt: skip
+
+
+def test_the_template_sees_json_text_arguments_as_objects():
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    message = normalize_message({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert template_view([message])[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the stored form is untouched
 
 
 def test_a_message_without_a_role_is_a_validation_error():

@@ -1,18 +1,22 @@
 """One rank of the FSDP2 (gloo) test: train one step, write the full adapter from rank 0.
 
-Run as a script (its folder is then on sys.path), with the torchrun environment variables set.
+Run as a script (its folder is then on sys.path), with the torchrun environment variables set; an optional third
+argument is JSON: TrainerSettings overrides, with "algorithm" holding AlgorithmConfig overrides and "responses"
+replacing RESPONSES.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from settings import make_settings
 
-from miles_runner.config.schema import OptimizerConfig
+from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.fsdp import FSDPTrainer
 
@@ -21,16 +25,20 @@ RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 2])
 REWARDS = (1.0, 0.0, 0.5, 0.0)
 
 
-def samples() -> list[Sample]:
+def samples(responses=RESPONSES) -> list[Sample]:
     return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
-            for r, w in zip(RESPONSES, REWARDS, strict=True)]
+            for r, w in zip(responses, REWARDS, strict=True)]
 
 
-def main(model_path: str, out_file: str) -> None:
+def main(model_path: str, out_file: str, options: str = "{}") -> None:
     dist.init_process_group("gloo")
+    overrides = json.loads(options)
+    algorithm = replace(AlgorithmConfig(), **overrides.pop("algorithm", {}))
+    responses = overrides.pop("responses", RESPONSES)
     # SGD: the update is proportional to the gradient, so a wrong reduction across ranks shows.
-    trainer = FSDPTrainer(model_path, make_settings(optimizer=OptimizerConfig(name="sgd", lr=0.5)))
-    trainer.train(samples())
+    settings = make_settings(optimizer=OptimizerConfig(name="sgd", lr=0.5), algorithm=algorithm, **overrides)
+    trainer = FSDPTrainer(model_path, settings)
+    trainer.train(samples(responses))
     state = trainer.adapter_state()
     checkpoint = trainer.state_dict()
     trainer.save_adapter(Path(out_file).parent / "adapter")
@@ -40,4 +48,4 @@ def main(model_path: str, out_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

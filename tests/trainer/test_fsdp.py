@@ -115,6 +115,27 @@ def test_saved_adapter_loads_in_peft_with_the_same_outputs(trainer, tiny_model_p
         assert torch.allclose(loaded(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5)
 
 
+def test_a_trainer_starts_from_the_saved_adapter_of_adapters_path(tiny_model_path, tmp_path):
+    trained = FSDPTrainer(tiny_model_path, make_settings())
+    trained.train(group([GOOD, BAD], [1.0, 0.0]))
+    folder = trained.save_adapter(tmp_path / "adapter")
+    adapter = replace(make_settings().adapter, init_path=str(folder))
+    resumed = FSDPTrainer(tiny_model_path, make_settings(adapter=adapter))
+    fresh = FSDPTrainer(tiny_model_path, make_settings())
+    for name, tensor in trained.adapter_state().items():
+        assert torch.equal(resumed.adapter_state()[name], tensor), name
+    ids = torch.tensor([PROMPT + GOOD])
+    with torch.no_grad():
+        assert not torch.allclose(resumed.model(input_ids=ids).logits, fresh.model(input_ids=ids).logits)
+
+
+def test_a_starting_adapter_of_another_shape_is_refused(tiny_model_path, tmp_path):
+    folder = FSDPTrainer(tiny_model_path, make_settings()).save_adapter(tmp_path / "adapter")
+    wider = replace(make_settings().adapter, rank=8, init_path=str(folder))
+    with pytest.raises(ValueError, match="does not fit the planned adapter"):
+        FSDPTrainer(tiny_model_path, make_settings(adapter=wider))
+
+
 def test_checkpoint_restores_adapter_optimizer_rng_and_step(tiny_model_path):
     samples = group([GOOD, BAD], [1.0, 0.0])
     original = FSDPTrainer(tiny_model_path, make_settings())

@@ -1,11 +1,12 @@
-"""The GRPO/PPO policy loss on small hand-computed cases."""
+"""The policy loss and the GRPO group advantages on small hand-computed cases."""
 
 import math
 
 import pytest
 import torch
 
-from miles_runner.trainer.loss import PolicyLossConfig, group_advantages, k3_kl, masked_reduce, policy_loss
+from miles_runner.trainer.advantages import group_advantages
+from miles_runner.trainer.loss import PolicyLossConfig, k3_kl, masked_reduce, policy_loss
 
 NO_CLIP = PolicyLossConfig(eps_clip=10.0, eps_clip_high=10.0)
 

@@ -20,7 +20,7 @@ Modules:
     loop.py         MultiLoRALoop: wiring (clients, rollout, producer) and the step sequence above
     reconcile.py    the registry vs the trainer's slots: retire, clean up, load (the trainer gets the adapter's spec)
     recovery.py     engines that died: restart them, forgive a push they broke, tell new engines apart
-    pushes.py       what is pushed and when: stepped or new adapters, every one to new engines
+    pushes.py       what is pushed and when: stepped or new adapters, every one to new engines; each push verified
     records.py      step records and per-adapter metrics, token rate, the tracker, per-adapter plots
     checkpoints.py  per-adapter save (periodic and final) and resume (step, data cursor)
     events.py       multi_lora_events.jsonl

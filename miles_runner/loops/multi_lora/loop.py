@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.engine.client import EngineClient, EngineError, EngineUnavailable
+from miles_runner.engine.workers import WorkerPool
 from miles_runner.executors.controller import controller_service
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
@@ -28,7 +29,7 @@ from miles_runner.multi_lora.producer import GroupProducer
 from miles_runner.multi_lora.registry import RegistrySnapshot
 from miles_runner.multi_lora.settings import TOKEN_ENV
 from miles_runner.plan.model import Plan
-from miles_runner.rollout.context import RolloutContext
+from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.trainer.ranks import make_trainer
 
@@ -61,7 +62,7 @@ class MultiLoRALoop:
 
     async def _serve(self, deployment: Deployment) -> list[dict[str, Any]]:
         """The producer fills the adapters' buffers while the loop runs; everything is closed after it."""
-        rollout_client = EngineClient(deployment.rollout_url)
+        rollout_client = rollout_workers(self.plan, deployment.engine_urls)  # groups spread over the engines
         producer = self._connect(deployment, rollout_client)
         self._assemble()
         producer.start()
@@ -77,7 +78,7 @@ class MultiLoRALoop:
                 await client.aclose()
         return self.tracker.records
 
-    def _connect(self, deployment: Deployment, rollout_client: EngineClient) -> GroupProducer:
+    def _connect(self, deployment: Deployment, rollout_client: WorkerPool) -> GroupProducer:
         """Clients of the engines and the controller, the rollout, the buffers and the producer that fills them."""
         plan, m = self.plan, self.plan.multi_lora
         self.engines = [EngineClient(url) for url in deployment.engine_urls]

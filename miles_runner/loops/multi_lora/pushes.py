@@ -1,5 +1,6 @@
 """What gets pushed to the engines, and when: the adapters that stepped or are new (an upsert of each), or every
-loaded one when the engines are new (the run's start, or an engine restarted and lost them)."""
+loaded one when the engines are new (the run's start, or an engine restarted and lost them). Every push is
+verified: each engine reports its version (lora/verify.py); a failure names the iteration and the adapter."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from miles_runner.engine.client import EngineClient
 from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.recovery import engines_are_new
 from miles_runner.lora.adapter_sync import AdapterSync
+from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.trainer.ranks import RankedTrainer
@@ -48,7 +50,10 @@ class Pushes:
             await self.sync.reset()  # a new engine holds no adapter and is in no weight-update group
         names = set(loaded) if engines_new else self.due & set(loaded)
         for name in sorted(names, key=lambda n: loaded[n].slot):
-            await self._push(loaded[name])
+            try:
+                await self._push(loaded[name])
+            except SyncVerificationError as error:
+                raise SyncVerificationError(f"iteration {iteration}, adapter {name}: {error}") from None
         await self._record(sorted(self.due & names), iteration)
         if engines_new:
             self.events.write(iteration, "pushed_all", names=sorted(names), engine_adapters=await self._listed())

@@ -19,7 +19,14 @@ from miles_runner.tracking.plots import plot_metrics
 from miles_runner.tracking.tracker import Tracker
 
 SlotMetrics = dict[int, dict[str, float]]  # the trainer's metrics of one batch, by slot
-OPTIONAL_TRAIN_METRICS = ("kl", "entropy", "clip_fraction", "grad_norm", "rollout_logprob_abs_diff")
+OPTIONAL_TRAIN_METRICS = (
+    "kl",
+    "entropy",
+    "clip_fraction",
+    "grad_norm",
+    "rollout_logprob_abs_diff",
+    "routing_replay_diff_frac",
+)
 
 
 def first_iteration(run_dir: Path, resume: bool) -> int:

@@ -17,14 +17,24 @@ Modules, one per section, in the order their rules run:
     routing_replay   routing and indexer replay
     cluster          what a cpu-only or GPU cluster can run, and the trainer's size
     arithmetic       parallel groups, engine placement and memory, batch splits, ports
+    backends         settings only one backend honours; what this release has not built (NOT_BUILT)
+    weight_sync      the adapter push cadence, the staleness it implies, and the checks of each push
+    model            the model description matches its checkpoint, and its name can be served
+    engine_build     a plan for stock SGLang uses no feature only the sglang-miles fork serves
+    training         estimators, optimizer, trainer and rollout switches, metrics file (more NOT_BUILT)
 """
 
 # Imported for their @rule registrations. Import order is registration order, which is the order problems are
 # printed in (tests and golden outputs check it): sorting these imports would reorder every report.
 # isort: off
 from miles_runner.plan.rules import sizes, session, fully_async, offload, weight_transfer, lora  # noqa: F401
-from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic  # noqa: F401
+from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic, backends  # noqa: F401
+from miles_runner.plan.rules import weight_sync  # noqa: F401
+from miles_runner.plan.rules import model, engine_build  # noqa: F401
+from miles_runner.plan.rules import training
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 
-__all__ = ["PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]
+NOT_BUILT = backends.NOT_BUILT + training.NOT_BUILT
+
+__all__ = ["NOT_BUILT", "PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]

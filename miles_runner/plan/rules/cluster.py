@@ -27,6 +27,19 @@ def cpu_cluster_runs_no_gpu_components(cfg: MilesConfig, d: Derived) -> Iterator
             "The Megatron trainer needs CUDA GPUs; a cpu-only cluster trains with FSDP.",
             "trainer=fsdp lora_mode=peft",
         )
+    if cfg.cluster.gpu_type != "none" or cfg.cluster.gpu_memory_gb > 0:
+        yield Finding(
+            ("cluster.gpu_type", "cluster.gpu_memory_gb", "cluster.cpu_only"),
+            "A cpu-only cluster has no GPUs to describe.",
+            "cluster.gpu_type=none cluster.gpu_memory_gb=0",
+        )
+    for key in ("offload_train", "offload_rollout"):
+        if getattr(cfg.topology, key):
+            yield Finding(
+                (f"topology.{key}", "cluster.cpu_only"),
+                "Offloading frees GPU memory between rollout and training; on a cpu-only cluster there is none.",
+                f"topology.{key}=false",
+            )
 
 
 @rule("gpu-cluster-needs-gpus", precondition=True)
@@ -87,4 +100,21 @@ def trainer_fits_cluster(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             ("topology.actor_num_gpus_per_node", "cluster.gpus_per_node"),
             f"The trainer asks for {d.trainer_gpus_per_node} GPUs per node; nodes have {d.slots_per_node}.",
             f"topology.actor_num_gpus_per_node={d.slots_per_node}",
+        )
+
+
+@rule("host-memory-holds-cpu-plan")
+def host_memory_holds_cpu_plan(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """On a cpu-only cluster every engine and trainer rank is a process holding the fp32 weights (~4 GB per
+    billion parameters) in the node's memory."""
+    if not cfg.cluster.cpu_only:
+        return
+    processes = -(-d.num_engines // cfg.cluster.nodes) + d.trainer_gpus_per_node
+    need = processes * cfg.model.params_b * 4
+    if need > cfg.cluster.memory_gb_per_node:
+        yield Finding(
+            ("cluster.memory_gb_per_node", "model.params_b"),
+            f"{processes} processes per node would hold {need:.1f} GB of fp32 weights; a node has "
+            f"{cfg.cluster.memory_gb_per_node:g} GB.",
+            f"cluster.memory_gb_per_node={need * 1.5:.3g}",
         )

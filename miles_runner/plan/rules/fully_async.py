@@ -74,10 +74,15 @@ def async_driver_needs_disaggregated(cfg: MilesConfig, d: Derived) -> Iterator[F
         )
 
 
+def corrects_off_policy(cfg: MilesConfig) -> bool:
+    """The loss can train on samples from older weights: rollout logprobs, TIS or the old actor."""
+    a = cfg.algorithm
+    return a.use_rollout_logprobs or a.use_tis or cfg.trainer.keep_old_actor
+
+
 @rule("async-needs-off-policy-correction")
 def async_needs_off_policy_correction(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    a = cfg.algorithm
-    if cfg.rollout.driver == "async" and not (a.use_rollout_logprobs or a.use_tis or cfg.trainer.keep_old_actor):
+    if cfg.rollout.driver == "async" and not corrects_off_policy(cfg):
         yield Finding(
             ("rollout.driver", "algorithm.use_tis"),
             "Async samples come from weights one step old; the loss needs rollout logprobs, TIS or the old actor.",
@@ -87,7 +92,9 @@ def async_needs_off_policy_correction(cfg: MilesConfig, d: Derived) -> Iterator[
 
 @rule("async-driver-is-one-step-stale")
 def async_driver_is_one_step_stale(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.rollout.driver == "async" and cfg.rollout.max_weight_staleness < 1:
+    # A longer update interval adds to this bound: update-interval-within-staleness (weight_sync.py) says so.
+    interval = cfg.weight_sync.update_weights_interval
+    if cfg.rollout.driver == "async" and interval == 1 and cfg.rollout.max_weight_staleness < 1:
         yield Finding(
             ("rollout.driver", "rollout.max_weight_staleness"),
             "The async driver trains on samples one weight version old; staleness 0 would reject every batch.",

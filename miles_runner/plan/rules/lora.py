@@ -11,6 +11,7 @@ from miles_runner.config.schema import MilesConfig
 from miles_runner.core.targets import ALL_ALIASES, KNOWN_MODULES, is_known_module
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, TOPOLOGY, Finding, rule
+from miles_runner.plan.starting_adapter import starting_adapter_problems
 
 
 @rule("lora-mode-needs-adapters")
@@ -115,3 +116,26 @@ def lora_target_unknown(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
                 f"'{name}' is not a linear module name a model defines; {hint or 'use all-linear or HF names'}",
                 "adapters.target_modules=[all-linear]",
             )
+
+
+@rule("starting-adapter-fits-plan")
+def starting_adapter_fits_plan(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    path = cfg.adapters.path
+    if not path:
+        return
+    if cfg.adapters.kind != "single":
+        yield Finding(
+            ("adapters.path", ADAPTERS),
+            "adapters.path is the one adapter a single-adapter run starts from; multi-LoRA adapters start fresh.",
+            "adapters.path=''",
+        )
+        return
+    a = cfg.adapters
+    for problem in starting_adapter_problems(path, rank=a.rank, alpha=a.alpha, targets=d.target_modules,
+                                             base=d.model_path):  # fmt: skip
+        yield Finding(
+            ("adapters.path", "adapters.rank", "adapters.alpha", "adapters.target_modules", "model.path"),
+            f"The starting adapter cannot be loaded as planned: {problem}.",
+            "adapters.path=''",
+        )
+

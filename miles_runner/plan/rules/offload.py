@@ -45,3 +45,29 @@ def rematerialize_rejects_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding
             "Rematerializing parameters from master weights is not implemented for LoRA adapters.",
             "trainer.rematerialize_param_from_master_weight=false",
         )
+
+
+@rule("offload-needs-megatron")
+def offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "megatron" or cfg.cluster.cpu_only:
+        return
+    for key in ("offload_train", "offload_rollout"):
+        if getattr(d, key):
+            yield Finding(
+                (f"topology.{key}", BACKEND),
+                "Colocated offload (trainer weights and the engines' memory released in turn) is driven by the "
+                "Megatron trainer's loop; the FSDP trainer and its engines stay resident.",
+                f"topology.{key}=false",
+            )
+
+
+
+@rule("optimizer-cpu-offload-needs-megatron")
+def optimizer_cpu_offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.optimizer.cpu_offload and cfg.trainer.backend != "megatron":
+        yield Finding(
+            ("optimizer.cpu_offload", BACKEND),
+            "optimizer.cpu_offload is Megatron's CPU-offload optimizer (its state and step kept on the host); the "
+            "FSDP trainer has no such switch: its optimizer state stays wherever its parameters are.",
+            "optimizer.cpu_offload=false",
+        )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from miles_runner.config.schema import MilesConfig
-from miles_runner.plan.derive import Derived
+from miles_runner.core.tito_families import TITO_FAMILIES
+from miles_runner.plan.derive import TINY_SCHEME, Derived
 from miles_runner.plan.rules.base import PAUSE, Finding, rule
 
 SESSION = "session.version"
@@ -41,6 +42,36 @@ def tito_model_needs_session(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             ("session.tito_model", SESSION),
             "A TITO model family only shapes how the session server tokenizes turns; there is no session server.",
             "session=v1",
+        )
+
+
+TINY_TOKENIZER_FAMILY = "qwen3"  # the tiny models' tokenizer is ChatML (models/tiny_model.py)
+TINY_TOKENS = TITO_FAMILIES[TINY_TOKENIZER_FAMILY].required_tokens
+
+
+@rule("tito-model-fits-tokenizer")
+def tito_model_fits_tokenizer(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    family = TITO_FAMILIES[cfg.session.tito_model]
+    tiny = cfg.model.path.startswith(TINY_SCHEME)
+    if cfg.session.version != "off" and tiny and not set(family.required_tokens) <= set(TINY_TOKENS):
+        yield Finding(
+            ("session.tito_model", "model.path"),
+            f"tito_model {family.name} renders with its chat template and the role tokens "
+            f"{list(family.required_tokens)}; the tiny model's tokenizer is ChatML and lacks them.",
+            f"session.tito_model={TINY_TOKENIZER_FAMILY}",
+        )
+
+
+@rule("tito-model-needs-trim")
+def tito_model_needs_trim(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    s = cfg.session
+    family = TITO_FAMILIES[s.tito_model]
+    if s.version != "off" and s.max_trim_tokens < family.max_trim_tokens:
+        yield Finding(
+            ("session.tito_model", "session.max_trim_tokens"),
+            f"tito_model {family.name} drops the token that ends a generated turn when the next message opens "
+            "with it, so the stored ids may lose that many tokens.",
+            f"session.max_trim_tokens={family.max_trim_tokens}",
         )
 
 

@@ -1,0 +1,129 @@
+"""Which engine serves a rollout's generation: one path for single-turn groups, multi-LoRA groups and sessions.
+
+Why not through the router: sglang-router 0.3.2 rebuilds every generation request from its own types and
+drops SGLang's RL fields (engine/router.py), among them `return_routed_experts` and `routed_experts_start_len`
+on /generate, so routing replay (R3) would be lost. Generation therefore goes as native /generate straight to
+one worker; the router stays the registry of the workers.
+
+The workers are the router's healthy ones (GET /workers, asked at every pin, so an engine that was restarted
+and registered again is seen), else the plan's engines. A key (a prompt group, a session) is pinned to one
+worker while it lives: a group's samples share the prompt's prefix cache, a session's turns its conversation's
+cache, an in-place paused request and the routing R3 replays.
+
+The choice is least-loaded: the worker with the fewest live pins (groups in flight, sessions open). Ties go to
+the worker given the fewest pins so far, so callers that pin one key at a time still alternate over every
+worker (round robin) instead of always landing on the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from miles_runner.engine.client import DEFAULT_TIMEOUT_S, EngineClient, EngineError, EngineUnavailable
+from miles_runner.engine.router import list_workers
+
+WorkerSource = Callable[[], Awaitable[list[str]]]
+WORKER_LIST_TIMEOUT_S = 10.0
+
+
+def fixed_workers(urls: Sequence[str]) -> WorkerSource:
+    """The engines are known up front (the plan lists them)."""
+    frozen = [url.rstrip("/") for url in urls]
+
+    async def workers() -> list[str]:
+        return list(frozen)
+
+    return workers
+
+
+def router_workers(router_url: str, *, healthy_only: bool = False) -> WorkerSource:
+    """The engines are whatever the router lists right now (`healthy_only`: those it still routes to). A router
+    that cannot be asked reads as EngineUnavailable."""
+
+    async def workers() -> list[str]:
+        try:
+            return await list_workers(router_url, timeout_s=WORKER_LIST_TIMEOUT_S, healthy_only=healthy_only)
+        except EngineError as error:
+            raise EngineUnavailable(f"the router at {router_url} did not list its workers: {error}") from error
+
+    return workers
+
+
+class WorkerPool:
+    """Pins keys to workers (least-loaded, see the module doc) and holds one client per worker."""
+
+    def __init__(
+        self,
+        source: WorkerSource,
+        *,
+        where: str,
+        api_key: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.where = where  # names the source in errors: "the router at URL", "the engines [...]"
+        self._source = source
+        self._api_key, self._timeout_s = api_key, timeout_s
+        self._clients: dict[str, EngineClient] = {}
+        self._pins: dict[str, str] = {}  # key -> worker URL
+        self._given: Counter[str] = Counter()  # worker URL -> pins given so far (the tie-break)
+
+    @classmethod
+    def for_deployment(
+        cls, router_url: str | None, engine_urls: Sequence[str], *, api_key: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> WorkerPool:  # fmt: skip
+        """The router's healthy workers when there is a router, else the engines themselves."""
+        if router_url:
+            source, where = router_workers(router_url, healthy_only=True), f"the router at {router_url}"
+        else:
+            source, where = fixed_workers(engine_urls), f"the engines {list(engine_urls)}"
+        return cls(source, where=where, api_key=api_key, timeout_s=timeout_s)
+
+    async def pin(self, key: str) -> EngineClient:
+        """The client of `key`'s worker, pinning `key` on its first call."""
+        url = self._pins.get(key)
+        if url is None:
+            workers = await self._source()
+            if not workers:
+                raise EngineUnavailable(f"{self.where} lists no healthy worker")
+            # A concurrent call for the same key may have pinned it while the workers were listed.
+            if (url := self._pins.get(key)) is None:
+                url = self._pins[key] = self._least_loaded(workers)
+                self._given[url] += 1
+        return self.client(url)
+
+    def pinned(self, key: str) -> str | None:
+        return self._pins.get(key)
+
+    def release(self, key: str) -> None:
+        self._pins.pop(key, None)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, key: str) -> AsyncIterator[EngineClient]:
+        """`key` pinned for the duration of the block (a prompt group in flight)."""
+        try:
+            yield await self.pin(key)
+        finally:
+            self.release(key)
+
+    def client(self, url: str) -> EngineClient:
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url, api_key=self._api_key, timeout_s=self._timeout_s)
+        return self._clients[url]
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+
+    async def __aenter__(self) -> WorkerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _least_loaded(self, workers: list[str]) -> str:
+        live = Counter(self._pins.values())
+        return min(sorted(workers), key=lambda url: (live[url], self._given[url]))

@@ -1,0 +1,157 @@
+"""Settings only one backend honours, and what this release does not run yet.
+
+A plan that compiles runs exactly as it reads, so a setting the plan's backends would silently ignore is a plan
+error here, with the backend that honours it. The `*-not-built` rules refuse what is specified (spec rules above
+accept it) but not built in this release: compiling such a plan would otherwise print one trainer and run
+another. `compile_design` in plan/compile.py skips exactly these (NOT_BUILT) to review a future plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from miles_runner.config.schema import EngineConfig, MilesConfig
+from miles_runner.plan.derive import Derived
+from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
+
+# Rule ids of the refusals of what this release has not built (each names the issue that builds it).
+NOT_BUILT = ("megatron-trainer-not-built", "full-weight-training-not-built", "fully-async-not-built",
+             "multi-node-ray-not-built", "train-only-adapter-not-built")  # fmt: skip
+
+# SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
+SGLANG_ONLY_ENGINE_SETTINGS = ("mem_fraction_static", "lora_backend", "enable_cuda_graph", "dp_attention",
+                               "fp8_rollout", "extra_args")  # fmt: skip
+
+
+@rule("megatron-trainer-not-built")
+def megatron_trainer_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "megatron":
+        yield Finding(
+            (BACKEND, LORA_MODE),
+            "The Megatron trainer (lora_mode bridge or raw) is not built in this release (issue 13); "
+            "this release trains with FSDP and peft LoRA.",
+            "trainer=fsdp lora_mode=peft",
+        )
+
+
+@rule("full-weight-training-not-built")
+def full_weight_training_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if not d.lora_enabled:
+        yield Finding(
+            (ADAPTERS, LORA_MODE),
+            "Full-weight training is not built in this release: the trainers train LoRA adapters.",
+            "adapters=single lora_mode=peft",
+        )
+
+
+@rule("fully-async-not-built")
+def fully_async_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.rollout.fully_async:
+        yield Finding(
+            ("rollout.fully_async",),
+            "The fully-async rollout (a generation loop that never waits for training) is not built in this "
+            "release; the async driver overlaps one step's generation with the previous step's training.",
+            "rollout.fully_async=false",
+        )
+
+
+@rule("train-only-adapter-not-built")
+def train_only_adapter_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.adapters.train_only and d.lora_enabled:
+        yield Finding(
+            ("adapters.train_only",),
+            "Training an adapter while the engines roll out with the base model is not built: the loops push every "
+            "adapter version to the engines, check that they serve it and bound the rollouts' staleness by it.",
+            "adapters.train_only=false",
+        )
+
+
+@rule("multi-node-ray-not-built")
+def multi_node_ray_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.executor.kind == "ray" and cfg.cluster.nodes > 1:
+        yield Finding(
+            ("executor.kind", "cluster.nodes"),
+            "executor=ray places every component on one node in this release; multi-node placement (and the "
+            "Slurm launcher that starts the nodes) is issue 12.",
+            "cluster.nodes=1",
+        )
+
+
+@rule("embedded-engine-takes-no-sglang-gpu-settings")
+def embedded_engine_takes_no_sglang_gpu_settings(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.engine.kind != "embedded":
+        return
+    for name in SGLANG_ONLY_ENGINE_SETTINGS:
+        value = getattr(cfg.engine, name)
+        if value != _engine_default(name):
+            yield Finding(
+                ("engine.kind", f"engine.{name}"),
+                f"engine.{name} is an SGLang GPU launch setting; the embedded CPU engine has no counterpart and "
+                "would ignore it.",
+                f"engine.{name}={_override_text(_engine_default(name))}",
+            )
+    if cfg.adapters.base_cpu_backup:
+        yield Finding(
+            ("engine.kind", "adapters.base_cpu_backup"),
+            "adapters.base_cpu_backup keeps an SGLang engine's base weights in host memory while LoRA weights "
+            "move; the embedded engine's weights are in host memory already.",
+            "adapters.base_cpu_backup=false",
+        )
+
+
+@rule("cpu-backup-needs-colocated-lora-rollout")
+def cpu_backup_needs_colocated_lora_rollout(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.adapters.base_cpu_backup and not (d.colocated and d.lora_rollout_enabled):
+        yield Finding(
+            ("adapters.base_cpu_backup", "topology.kind", "adapters.train_only"),
+            "The base CPU backup exists for colocated engines that roll out with the adapter (spec: LoRA, "
+            "colocate and the flag); on this plan no engine would take it.",
+            "adapters.base_cpu_backup=false",
+        )
+
+
+@rule("megatron-lora-layouts-need-megatron")
+def megatron_lora_layouts_need_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if not d.lora_enabled or cfg.trainer.backend == "megatron":
+        return
+    if cfg.adapters.lora_type != "lora":
+        yield Finding(
+            ("adapters.lora_type", BACKEND),
+            "canonical_lora splits Megatron's fused linear_qkv and linear_fc1 into one LoRA per projection; "
+            "peft on a Hugging Face model already trains one LoRA per projection (q_proj, k_proj, ...).",
+            "adapters.lora_type=lora",
+        )
+    if cfg.model.native_lora:
+        yield Finding(
+            ("model.native_lora", BACKEND),
+            "model.native_lora selects the model's own (raw) LoRA modules in Megatron; peft wraps the Hugging "
+            "Face linears and would not use them.",
+            "model.native_lora=false",
+        )
+    if cfg.adapters.experts_shared_outer:
+        yield Finding(
+            ("adapters.experts_shared_outer", BACKEND),
+            "Shared-outer expert LoRA (one A or B shared by all experts) is a Megatron-Bridge layout; peft "
+            "trains one LoRA per expert projection.",
+            "adapters.experts_shared_outer=false",
+        )
+
+
+@rule("fsdp-pads-rows")
+def fsdp_pads_rows(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "fsdp" and cfg.trainer.parallel.qkv_format != "bshd":
+        yield Finding(
+            (BACKEND, "trainer.parallel.qkv_format"),
+            "The FSDP trainer right-pads each sample into a [batch, length] row (bshd); thd packing is Megatron's.",
+            "trainer.parallel.qkv_format=bshd",
+        )
+
+
+def _engine_default(name: str) -> object:
+    return getattr(EngineConfig(), name)
+
+
+def _override_text(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "[]" if value == [] else str(value)

@@ -1,0 +1,68 @@
+"""executor.ray_address: the Ray executor joins a Ray cluster that is already up (here a head started on loopback
+for the test) instead of starting its own, runs the plan's servers on it, and leaves it running after the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_runner.config.compose import compose
+from miles_runner.executors.ray import RayExecutor
+from miles_runner.plan.compile import compile_plan
+from miles_runner.procs.ports import free_port, port_is_free
+from miles_runner.procs.process import ManagedProcess
+
+pytestmark = pytest.mark.slow
+
+MARKER = "existing_cluster"  # a custom resource only the test's own head node has
+
+
+@pytest.fixture
+def ray_head(tmp_path) -> Iterator[tuple[str, ManagedProcess]]:
+    """A Ray head node on 127.0.0.1 (its whole process group is stopped afterwards); yields its address."""
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    argv = [
+        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        f"--port={port}", "--num-cpus=1", f"--resources={json.dumps({MARKER: 1})}", "--include-dashboard=false",
+        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+    ]  # fmt: skip
+    # Token auth off: this head is on loopback, and a driver given an explicit address sends no token.
+    env = {"RAY_AUTH_MODE": "disabled"}
+    head = ManagedProcess("ray-head", argv, env=env, log_path=tmp_path / "ray_head.log").start()
+    try:
+        deadline = time.monotonic() + 60
+        while port_is_free("127.0.0.1", port):
+            assert head.alive and time.monotonic() < deadline, head.log_tail()
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", head
+    finally:
+        head.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_executor_runs_the_plan_on_the_cluster_at_ray_address_and_leaves_it_up(tmp_path, ray_head):
+    import ray
+
+    address, head = ray_head
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
+                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    with RayExecutor(plan, tmp_path, startup_timeout_s=180) as deployment:
+        assert ray.cluster_resources().get(MARKER) == 1, "the executor is not on the cluster at ray_address"
+        assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
+    assert not ray.is_initialized()  # the driver left the cluster...
+    assert head.alive  # ...which it did not start, and does not stop
+    assert port_is_free("127.0.0.1", plan.engines[0].launch.port), "the plan's engine outlived the run"
