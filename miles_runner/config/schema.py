@@ -233,9 +233,9 @@ class WeightSyncConfig:
     transfer_mode: str = "broadcast"
     update_weights_interval: int = 1  # push the adapter after every N training steps, and after the last one
     check_weight_equal: bool = False
-    # After each push, the first batch generated entirely with it must match the trainer's logprobs (mean
-    # |trainer - rollout| over trained tokens) within max_logprob_gap, checked before training on it.
-    # None: on, except where batches train past the weights that generated them (async driver, multi-LoRA).
+    # Right after each push every engine scores a fixed probe under the pushed adapter, and its mean
+    # |trainer - engine| logprob must stay within max_logprob_gap before the trainer trains further
+    # (lora/probe.py). None: on, for every driver and multi-LoRA.
     verify: bool | None = None
     max_logprob_gap: float | None = None  # None: by engine kind (plan.model.DEFAULT_MAX_LOGPROB_GAP)
 

@@ -8,8 +8,8 @@ and after the last step, so the engines end on the adapter the run saves. The we
 steps trained, so a batch lags the trainer by up to interval - 1 versions, plus one under the async driver
 (plan.sync.staleness_bound): every step records the version that generated its rollout and the one it trained at,
 and a batch beyond the bound stops the run. Every push is verified (lora/verify.py): each engine reports the new
-version, and with plan.sync.verify the first batch generated entirely with a push must match the trainer's
-logprobs before the trainer takes a step on it.
+version, and with plan.sync.verify every engine's logprobs of the push probe (lora/probe.py) must match the
+trainer's, which still holds exactly the pushed adapter, before it trains further.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.engine.client import EngineClient
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
+from miles_runner.lora.probe import PushProbe, probe_token_ids
 from miles_runner.lora.sync import make_sync
-from miles_runner.lora.verify import GapCheck, SyncVerificationError
+from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.rollout.agentic import rollout_agentic
@@ -92,7 +93,8 @@ class SingleAdapterLoop:
             start = meta["step"]
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
         sync = make_sync(plan, engines, plan.adapters[0].lora_name)
-        self.gap_check = GapCheck(plan.sync.max_logprob_gap, deployment.engine_urls) if plan.sync.verify else None
+        self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.sync.max_logprob_gap)
+                      if plan.sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
         try:
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
@@ -115,7 +117,6 @@ class SingleAdapterLoop:
             samples, rollout_metrics = await pending
             pending = None
             staleness = check_staleness(samples, step, plan.sync.staleness_bound)
-            verify_metrics = await self._verify(trainer, samples, step)  # before any step is taken on the batch
             more = step + 1 < total
             if overlap and more:  # generate the next batch with the current weights while this one trains
                 pending = self._start_rollout(ctx, stream)
@@ -130,7 +131,7 @@ class SingleAdapterLoop:
                 self.tracker.phase(step, "sync")
                 sync_metrics = await self._sync(trainer, sync, step + 1)
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
-            record.update({"weight_version": self.engine_version, **verify_metrics, **sync_metrics})
+            record.update({"weight_version": self.engine_version, **sync_metrics})
             self.tracker.step_done(step, record)
             if self._checkpoint_due(step + 1):
                 self.tracker.phase(step, "checkpoint")
@@ -156,29 +157,22 @@ class SingleAdapterLoop:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
         # versions run as usual, only the trained weights never reach the rollouts.
         tensors = self.initial_adapter if self.freeze_adapter else trainer.adapter_state()
-        report = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
-        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds}
+        report, probed = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
+        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds, **probed}
 
     async def _push(self, sync, tensors, trainer, version: int, *, what: str):
+        """Push, then probe every engine while the trainer holds exactly the pushed adapter (plan.sync.verify)."""
         try:
             report = await sync.push(tensors, trainer.adapter_config(), version)
         except SyncVerificationError as error:
             raise SyncVerificationError(f"{what}: {error}") from None
         self.engine_version = version
-        if self.gap_check is not None:
-            self.gap_check.pushed(version)
-        return report
-
-    async def _verify(self, trainer, samples: list[Sample], step: int) -> dict[str, float]:
-        """The logprob gap of the first batch generated entirely with the latest push (the trainer holds exactly
-        those weights until it trains on it); SyncVerificationError beyond the plan's tolerance."""
-        fresh = self.gap_check.fresh(samples) if self.gap_check is not None else []
-        if not fresh:
-            return {}
+        if self.probe is None:
+            return report, {}
         started = time.perf_counter()
-        log_probs = await asyncio.to_thread(trainer.compute_log_probs, fresh)
-        gap = self.gap_check.check(fresh, log_probs, what=f"step {step}")
-        return {"verify/logprob_gap": gap, "verify/seconds": time.perf_counter() - started}
+        mine = await asyncio.to_thread(trainer.probe_log_probs, self.probe.token_ids)
+        probed = await self.probe.check(mine, self.plan.adapters[0].lora_name, what=what)
+        return report, {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
 
     def _checkpoint_due(self, done: int) -> bool:
         interval = self.plan.checkpoint.interval

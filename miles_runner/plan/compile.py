@@ -126,7 +126,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
             max_weight_staleness=cfg.rollout.max_weight_staleness,
             driver=cfg.rollout.driver,
             fully_async=cfg.rollout.fully_async,
-            verify=resolve_verify(cfg.weight_sync.verify, cfg.rollout.driver, d.multi_lora),
+            verify=resolve_verify(cfg.weight_sync.verify),
             max_logprob_gap=resolve_max_logprob_gap(cfg.weight_sync.max_logprob_gap, cfg.engine.kind),
         ),
         capabilities=Capabilities(

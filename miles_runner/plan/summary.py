@@ -126,10 +126,8 @@ def sync_line(plan: Plan) -> str:
 
 def verify_line(plan: Plan) -> str:
     s = plan.sync
-    why_off = ("the async driver trains every batch past its weights" if s.driver == "async"
-               else "the multi-LoRA producer runs ahead of the trainer" if plan.multi_lora else "weight_sync.verify")
-    gap = (f"logprob gap <= {s.max_logprob_gap:g} on the first batch of each push, before training on it"
-           if s.verify else f"logprob gap off ({why_off})")
+    gap = (f"every engine's logprob gap <= {s.max_logprob_gap:g} on a fixed probe right after each push, before "
+           "training further" if s.verify else "logprob gap off (weight_sync.verify)")  # fmt: skip
     return f"every engine reports each pushed weight version; {gap}"
 
 

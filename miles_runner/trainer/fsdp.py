@@ -35,7 +35,14 @@ from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.advantages import Estimator
 from miles_runner.trainer.distributed import rank_and_world
-from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, token_log_probs
+from miles_runner.trainer.logprobs import (
+    TokenBatch,
+    TrainingSample,
+    pack_samples,
+    response_values,
+    sequence_log_probs,
+    token_log_probs,
+)
 from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.micro_batches import cut_columns, plan_micro_batches, row_lengths
@@ -146,6 +153,11 @@ class FSDPTrainer:
         """The trainer's log-probs of each sample's response tokens (single process)."""
         batch = pack_samples(samples, self.pad_id, self.routing)
         return response_values(self._log_probs(batch, adapter=adapter), samples)
+
+    def probe_log_probs(self, token_ids: Sequence[int]) -> list[float]:
+        """The adapter's raw logprobs of the push probe (lora/probe.py); collective under FSDP2."""
+        self.model.eval()
+        return sequence_log_probs(self.model, token_ids)
 
     # ---- training ----
 

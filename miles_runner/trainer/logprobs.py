@@ -92,6 +92,14 @@ def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0, with_
     return log_probs, entropy
 
 
+@torch.no_grad()
+def sequence_log_probs(model, token_ids: Sequence[int]) -> list[float]:
+    """The raw model's (temperature 1.0) logprob of each token of one sequence after its first: the push probe."""
+    ids = torch.tensor([list(token_ids)])
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
+
 def response_values(values: Tensor, samples: Sequence[TrainingSample]) -> list[list[float]]:
     """Per-sample lists of the response positions of a ``[B, L-1]`` tensor (e.g. the trainer's logprobs)."""
     out = []

@@ -32,7 +32,7 @@ from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.advantages import Estimator, masked_whiten
 from miles_runner.trainer.distributed import rank_and_world
-from miles_runner.trainer.logprobs import TrainingSample, pack_samples, token_log_probs
+from miles_runner.trainer.logprobs import TrainingSample, pack_samples, sequence_log_probs, token_log_probs
 from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.micro_batches import plan_micro_batches, row_lengths
@@ -185,6 +185,12 @@ class MultiAdapterTrainer:
         self.model.eval()
         with nullcontext() if adapter else self.model.disable_adapter():
             return token_log_probs(self.model, full, temperature=self.settings.temperature)[0]
+
+    def probe_log_probs(self, token_ids: Sequence[int], slot: int) -> list[float]:
+        """The slot's adapter's raw logprobs of the push probe (lora/probe.py)."""
+        self.model.eval()
+        self._activate(self.slots[slot])
+        return sequence_log_probs(self.model, token_ids)
 
     def _step(self, slot: int) -> dict[str, float]:
         entry = self.slots[slot]

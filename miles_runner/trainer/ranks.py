@@ -39,7 +39,7 @@ EXIT = "exit"
 # Calls that change trainer state or hold collectives: every rank must make them, in the same order.
 REPLAYED = frozenset({
     "train", "compute_log_probs", "adapter_state", "save_adapter", "state_dict", "load_state_dict",
-    "load_adapter", "clear_adapter",
+    "load_adapter", "clear_adapter", "probe_log_probs",
 })  # fmt: skip
 
 

@@ -216,12 +216,14 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Refused("multi-lora-pushes-every-step", "2", TINY_MULTI),
     ),
     "weight_sync.verify": (
-        Runs((f"{WEIGHT_SYNC}::test_the_first_batch_of_each_push_is_verified_against_the_trainer",
-              "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts")),
-        Refused("verify-needs-on-policy-batches", "true", TINY_MULTI),
+        Runs((f"{WEIGHT_SYNC}::test_every_push_is_probed_on_the_engine_against_the_trainer",
+              "tests/lora/test_verify.py::test_a_healthy_push_passes_the_probe_on_every_engine",
+              "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts",
+              "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_async_driver_at_its_first_push_after_step_0",
+              "tests/multi_lora_e2e/test_push_probe.py::test_a_frozen_adapter_stops_a_multi_lora_run_at_its_first_push_after_a_step")),
     ),
     "weight_sync.max_logprob_gap": (
-        Runs(("tests/lora/test_verify.py::test_a_gap_beyond_the_tolerance_stops_with_the_step_version_and_engine",
+        Runs(("tests/lora/test_verify.py::test_an_engine_that_keeps_the_old_adapter_fails_the_probe_by_name",
               "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts")),
         Refused("max-logprob-gap-positive", "0"),
     ),

@@ -129,6 +129,12 @@ def test_an_unknown_top_level_field_is_reported_as_dropped(sglang_spec):
     assert (problem.field, problem.sglang_refuses) == ("return_routed_expert", False)
 
 
+def test_the_push_probe_body_is_one_sglang_takes_whole(sglang_spec):
+    from miles_runner.lora.probe import probe_body
+
+    assert check_request(sglang_spec, SentRequest("POST", "/generate", probe_body([5, 6, 7], "policy"))) == []
+
+
 def test_a_pause_mode_outside_sglangs_literal_is_refused(sglang_spec):
     [problem] = check_request(sglang_spec, SentRequest("POST", "/pause_generation", {"mode": "inplace"}))
     assert problem.field == "mode" and problem.sglang_refuses

@@ -4,7 +4,8 @@ Both runs are the default recipe through the real engine, session server and Ope
 sets the named fault switch that keeps the engines on the initial (identity) adapter, so its rollouts never
 use what was trained: if the first run's gain came from anywhere else, the second would show it too. That
 control run turns push verification off explicitly (weight_sync.verify=false): with it on, as by default, the
-same fault stops the run at the first batch after the first push, before the trainer steps on it.
+same fault stops the run at the first push after step 0, whose probe differs from the trainer (lora/probe.py),
+before the trainer trains further: under the sync and the async driver alike.
 """
 
 import json
@@ -60,12 +61,24 @@ def test_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_pa
     assert gain(learned) - gain(frozen) >= MARGIN
 
 
-def test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts(tmp_path):
-    done = miles_run(tmp_path, "checkpoint.interval=1", fault=True)
+def assert_stopped_at_the_push_after_step_0(root: Path, *overrides: str) -> None:
+    done = miles_run(root, "checkpoint.interval=1", *overrides, fault=True)
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
-    [error] = [line for line in done.stderr.splitlines() if "SyncVerificationError: step 1:" in line]
-    assert "weight version 1 (by engine http://127.0.0.1:" in error and "weight_sync.max_logprob_gap=0.01" in error
-    assert [r["step"] for r in records(tmp_path)] == [0]  # step 1 was never trained
-    [run_dir] = {p.parent for p in tmp_path.rglob("metrics.jsonl")}
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1"]
+    [error] = [line for line in done.stderr.splitlines() if "SyncVerificationError: the push after step 0:" in line]
+    print(error)
+    assert "the probe of adapter" in error and "weight_sync.max_logprob_gap=0.01: engine http://127.0.0.1:" in error
+    [run_dir] = {p.parent for p in root.rglob("plan.yaml")}
+    # Step 0 trained the adapter whose push failed; the run stopped there: no step recorded, none checkpointed.
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
     assert not (run_dir / "adapter").exists()
+
+
+def test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts(tmp_path):
+    assert_stopped_at_the_push_after_step_0(tmp_path)
+
+
+def test_a_frozen_adapter_stops_the_async_driver_at_its_first_push_after_step_0(tmp_path):
+    assert_stopped_at_the_push_after_step_0(tmp_path, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
+                                            "rollout.driver=async", "rollout.max_weight_staleness=1",
+                                            "algorithm.use_tis=true")  # fmt: skip

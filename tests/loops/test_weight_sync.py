@@ -43,11 +43,14 @@ class ObservedLoop(SingleAdapterLoop):
         self.final_versions: list[str] = []
         self.final_probe: dict[str, Any] = {}
 
-    async def _verify(self, trainer, samples, step):
-        self.versions_at[step] = await engine_versions(self.plan)
-        return await super()._verify(trainer, samples, step)
+    async def _rollout(self, ctx, prompts):
+        rolled = await super()._rollout(ctx, prompts)  # the sync driver: one batch per step, in order
+        self.versions_at[self.next_step] = await engine_versions(self.plan)
+        self.next_step += 1
+        return rolled
 
     async def _steps(self, trainer, sync, ctx, stream, start):
+        self.next_step = start
         await super()._steps(trainer, sync, ctx, stream, start)
         self.final_versions = await engine_versions(self.plan)
         self.final_probe = await greedy_probe(self.plan)
@@ -133,10 +136,10 @@ def test_each_step_records_the_version_it_rolled_out_at_and_the_one_it_trained_a
     assert [r["step"] for r in steps if "sync/seconds" in r] == [2, 4]
 
 
-def test_the_first_batch_of_each_push_is_verified_against_the_trainer(every_third_step):
+def test_every_push_is_probed_on_the_engine_against_the_trainer(every_third_step):
     _, run_dir = every_third_step
     verified = {r["step"]: r["verify/logprob_gap"] for r in records(run_dir) if "verify/logprob_gap" in r}
-    assert sorted(verified) == [0, 3]  # the batches generated entirely with pushes 0 and 3
+    assert sorted(verified) == [2, 4]  # the pushes after steps 2 and 4
     assert max(verified.values()) < 1e-4  # fp32 on both sides: the pushed adapter is the trainer's
 
 

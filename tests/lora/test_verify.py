@@ -1,27 +1,26 @@
-"""Push verification (lora/verify.py): every engine must report the pushed weight version, and the first samples
-generated since a push must match the trainer's logprobs within the plan's tolerance."""
+"""Push verification (lora/verify.py, lora/probe.py): every engine must report the pushed weight version, and
+right after a push every engine's logprobs of the probe under the pushed adapter must match the trainer's within
+the plan's tolerance. Two real embedded engines; the trainer side is peft on the base model with the adapter."""
 
 from __future__ import annotations
 
-import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from miles_runner.engine.client import EngineClient
+from miles_runner.lora.probe import PushProbe, mean_gap, probe_body, probe_token_ids
 from miles_runner.lora.tensor_sync import TensorSync
-from miles_runner.lora.verify import GapCheck, SyncVerificationError, check_engine_versions, logprob_gap
-from miles_runner.session.samples import Sample, SampleStatus
+from miles_runner.lora.verify import SyncVerificationError, check_engine_versions
+from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_testkit.launch import engine_url, start_engine
 
+from .conftest import DIST_TIMEOUT_S, Adapter
 from .engine_probe import is_paused, served_adapters
 
-ENGINE = "http://127.0.0.1:30010"
-
-
-def sample(rollout: list[float], versions: list[str], mask: list[int] | None = None) -> Sample:
-    n = len(rollout)
-    return Sample(tokens=[1, 2, *range(3, 3 + n)], response_length=n, loss_mask=mask or [1] * n,
-                  rollout_log_probs=rollout, rollout_routed_experts=None, status=SampleStatus.COMPLETED,
-                  weight_versions=versions)  # fmt: skip
+MAX_GAP = 0.01  # the embedded engine's default weight_sync.max_logprob_gap
 
 
 class VersionDroppingClient(EngineClient):
@@ -29,6 +28,24 @@ class VersionDroppingClient(EngineClient):
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = False) -> dict:
         return {"success": True}
+
+
+class AdapterKeepingClient(EngineClient):
+    """Fault injection: an engine client whose reloads of an adapter never reach the engine (it keeps the first
+    weights it got under that name), while its weight version is updated as usual."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: set[str] = set()
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        return {"success": True}
+
+    async def load_lora_adapter_from_tensors(self, name: str, *args, **kwargs) -> dict:
+        if name in self.kept:
+            return {"success": True}
+        self.kept.add(name)
+        return await super().load_lora_adapter_from_tensors(name, *args, **kwargs)
 
 
 # ---- the engines report the pushed version --------------------------------------------------------------
@@ -71,44 +88,88 @@ async def test_a_verified_push_reports_the_seconds_its_check_took(client, coloca
         await client.unload_lora_adapter("checked_lora")
 
 
-# ---- the logprob gap of the first samples since a push ---------------------------------------------------
+# ---- the push probe: every engine against the trainer, right after the push ------------------------------
 
 
-def test_the_gap_is_the_mean_absolute_difference_over_trained_tokens_only():
-    samples = [sample([-1.0, -2.0], ["1"], mask=[1, 0]), sample([-1.0], ["1"])]
-    assert logprob_gap(samples, [[-1.5, -9.0], [-0.5]]) == pytest.approx(0.5)
+@pytest.fixture(scope="session")
+def second_engine_url(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(tiny_moe_dir),
+        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
+        "--dist-timeout", str(DIST_TIMEOUT_S),
+    ]  # fmt: skip
+    log = tmp_path_factory.mktemp("probe_engine") / "engine.log"
+    process = start_engine(argv, port=port, log_path=log, env={"HF_HUB_OFFLINE": "1"}, timeout_s=180)
+    yield engine_url(argv, port)
+    process.stop()
 
 
-def test_only_samples_generated_entirely_since_the_push_are_checked():
-    check = GapCheck(0.01, [ENGINE])
-    old, straddling, fresh, later = (sample([-1.0], v) for v in (["1"], ["1", "2"], ["2"], ["3"]))
-    assert check.fresh([old, straddling, fresh]) == []  # nothing is pending before a push
-    check.pushed(2)
-    assert check.fresh([old, straddling, fresh, later]) == [fresh, later]
+@pytest.fixture(scope="session")
+def probe_ids(tiny_moe_dir: Path) -> list[int]:
+    return probe_token_ids(tiny_moe_dir)
 
 
-def test_a_gap_within_the_tolerance_passes_and_clears_the_pending_push():
-    check = GapCheck(0.01, [ENGINE])
-    check.pushed(2)
-    fresh = [sample([-1.0, -2.0], ["2"])]
-    assert check.check(fresh, [[-1.001, -2.001]], what="step 2") == pytest.approx(0.001)
-    assert check.fresh(fresh) == []
+def trainer_log_probs(model_dir: Path, adapter: Adapter, token_ids: list[int]) -> list[float]:
+    """What the trainer holding `adapter` scores for the probe: peft on the fp32 base model, temperature 1."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from miles_runner.trainer.logprobs import sequence_log_probs
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sequence_log_probs(PeftModel.from_pretrained(base, adapter.path).eval(), token_ids)
 
 
-def test_a_gap_beyond_the_tolerance_stops_with_the_step_version_and_engine():
-    check = GapCheck(0.01, [ENGINE])
-    check.pushed(3)
-    with pytest.raises(SyncVerificationError, match=rf"step 3: .*version 3 \(by engine {ENGINE}\).* 0\.5 .*0\.01"):
-        check.check([sample([-1.0], ["3"])], [[-1.5]], what="step 3")
+def test_the_probe_is_a_few_dozen_tokens_of_fixed_text_and_a_valid_native_generate(probe_ids, tiny_moe_dir):
+    assert 24 <= len(probe_ids) <= 96 and probe_ids == probe_token_ids(tiny_moe_dir)  # the same for every push
+    body = probe_body(probe_ids, "policy")
+    assert body["logprob_start_len"] == 0 and body["sampling_params"] == {"max_new_tokens": 1, "temperature": 1.0}
 
 
-def test_every_engine_that_served_the_batch_is_named():
-    check = GapCheck(0.01, [ENGINE, "http://127.0.0.1:30011"])
-    check.pushed(1)
-    with pytest.raises(SyncVerificationError, match=re.escape(f"engines {ENGINE}, http://127.0.0.1:30011")):
-        check.check([sample([-1.0], ["1"])], [[-2.0]], what="step 1")
+def test_the_gap_is_the_mean_absolute_difference_and_needs_the_same_tokens():
+    assert mean_gap([-1.0, -2.0], [-1.5, -2.5]) == pytest.approx(0.5)
+    with pytest.raises(SyncVerificationError, match="same tokens"):
+        mean_gap([-1.0], [-1.0, -2.0])
 
 
-def test_samples_without_rollout_logprobs_cannot_be_verified():
-    with pytest.raises(SyncVerificationError, match="no rollout logprobs"):
-        logprob_gap([sample([], ["1"])], [[-1.0]])
+async def test_a_healthy_push_passes_the_probe_on_every_engine(
+    engine_url_for_sync, second_engine_url, colocated_plan, adapters, tiny_moe_dir, probe_ids
+):
+    first, _ = adapters
+    mine = trainer_log_probs(tiny_moe_dir, first, probe_ids)
+    async with EngineClient(engine_url_for_sync, timeout_s=60) as a, EngineClient(second_engine_url, timeout_s=60) as b:
+        sync = TensorSync([a, b], colocated_plan, "probed_lora")
+        try:
+            await sync.push(first.tensors, first.config, version=21)
+            report = await PushProbe([a, b], probe_ids, MAX_GAP).check(mine, "probed_lora", what="step 20")
+            print(f"probe gaps {report.gaps}, {report.seconds:.3f} s")
+            assert len(report.gaps) == 2 and max(report.gaps) < 1e-4  # fp32 on both sides
+        finally:
+            for engine in (a, b):
+                await engine.unload_lora_adapter("probed_lora")
+
+
+async def test_an_engine_that_keeps_the_old_adapter_fails_the_probe_by_name(
+    engine_url_for_sync, second_engine_url, colocated_plan, adapters, tiny_moe_dir, probe_ids
+):
+    first, second = adapters
+    mine = trainer_log_probs(tiny_moe_dir, second, probe_ids)
+    async with (
+        EngineClient(engine_url_for_sync, timeout_s=60) as healthy,
+        AdapterKeepingClient(second_engine_url, timeout_s=60) as stuck,
+    ):
+        sync = TensorSync([healthy, stuck], colocated_plan, "kept_lora")
+        try:
+            await sync.push(first.tensors, first.config, version=30)
+            await sync.push(second.tensors, second.config, version=31)  # the versions cannot tell: both say 31
+            with pytest.raises(SyncVerificationError) as caught:
+                await PushProbe([healthy, stuck], probe_ids, MAX_GAP).check(mine, "kept_lora", what="step 30")
+            message = str(caught.value)
+            print(message)
+            assert message.startswith("step 30: the probe of adapter 'kept_lora'")
+            assert f"engine {second_engine_url} differs by" in message and engine_url_for_sync not in message
+        finally:
+            await healthy.unload_lora_adapter("kept_lora")
+            await EngineClient.unload_lora_adapter(stuck, "kept_lora")  # the engine itself, past the fault

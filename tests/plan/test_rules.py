@@ -127,11 +127,6 @@ CASES = [
     RuleCase(
         "multi-lora-pushes-every-step", TINY_MULTI, (f"{INTERVAL}=2", "algorithm.use_tis=true"), (f"{INTERVAL}=1",)
     ),
-    RuleCase("verify-needs-on-policy-batches", ASYNC, ("weight_sync.verify=true",), ("weight_sync.verify=false",)),
-    RuleCase(
-        "verify-needs-on-policy-batches", TINY_MULTI, ("weight_sync.verify=true",), ("weight_sync.verify=false",),
-        "multi",
-    ),
     RuleCase(
         "max-logprob-gap-positive", CPU, ("weight_sync.max_logprob_gap=0",), ("weight_sync.max_logprob_gap=0.05",)
     ),

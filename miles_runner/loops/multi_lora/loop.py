@@ -20,6 +20,7 @@ from miles_runner.loops.multi_lora.pushes import Pushes
 from miles_runner.loops.multi_lora.reconcile import Reconciler
 from miles_runner.loops.multi_lora.records import SlotMetrics, StepRecords, first_iteration, make_tracker, plot_adapters
 from miles_runner.loops.multi_lora.recovery import EngineRecovery
+from miles_runner.lora.probe import PushProbe, probe_token_ids
 from miles_runner.lora.sync import make_sync
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache
@@ -97,7 +98,9 @@ class MultiLoRALoop:
         """The collaborators that do the loop's jobs, and the tracker (from the resumed iteration on)."""
         self.sync = make_sync(self.plan, self.engines)  # every push names its slot
         self.checkpoints = AdapterCheckpoints(self.plan.checkpoint, self.trainer, self.rollout, self.controller)
-        self.pushes = Pushes(self.engines, self.sync, self.trainer, self.controller, self.events)
+        sync, model = self.plan.sync, self.plan.model_path
+        probe = PushProbe(self.engines, probe_token_ids(model), sync.max_logprob_gap) if sync.verify else None
+        self.pushes = Pushes(self.engines, self.sync, self.trainer, self.controller, self.events, probe)
         self.reconciler = Reconciler(self.controller, self.trainer, self.rollout, self.pushes, self.checkpoints,
                                      self.events, default_num_steps=self.plan.batch.num_steps)  # fmt: skip
         self.recovery = EngineRecovery(self.executor, self.events)

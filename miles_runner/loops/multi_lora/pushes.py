@@ -1,16 +1,25 @@
 """What gets pushed to the engines, and when: the adapters that stepped or are new (an upsert of each), or every
 loaded one when the engines are new (the run's start, or an engine restarted and lost them). Every push is
-verified: each engine reports its version (lora/verify.py); a failure names the iteration and the adapter."""
+verified: each engine reports its version (lora/verify.py) and, with plan.sync.verify, scores the push probe
+under the pushed adapter as the trainer's slot does (lora/probe.py); a failure names the iteration and the
+adapter, and the run stops before the trainer steps again.
+
+Under the fault switch MILES_FAULT_FREEZE_ROLLOUT_ADAPTER every push of an adapter sends its first pushed
+weights again, under the new version: the probe must catch it at the adapter's first push after a step."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.engine.client import EngineClient
 from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.recovery import engines_are_new
 from miles_runner.lora.adapter_sync import AdapterSync
+from miles_runner.lora.probe import PushProbe
 from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
@@ -30,8 +39,11 @@ class Pushes:
         trainer: RankedTrainer,
         controller: ControllerClient,
         events: EventLog,
+        probe: PushProbe | None = None,
     ) -> None:
         self.engines, self.sync, self.trainer, self.controller, self.events = engines, sync, trainer, controller, events
+        self.probe = probe
+        self.frozen: dict[str, dict[str, Any]] | None = {} if FREEZE_ROLLOUT_ADAPTER in warn_fault_switches() else None
         self.due: set[str] = set()  # adapters the engines do not have the latest weights of
         self.count = 0  # weight pushes so far: the engines' weight_version
 
@@ -63,8 +75,13 @@ class Pushes:
     async def _push(self, run: AdapterRun) -> None:
         self.count += 1
         state, config = self.trainer.adapter_state(run.slot), self.trainer.adapter_config(run.slot)
+        if self.frozen is not None:  # the fault: the adapter's first pushed weights, under every later version
+            state = self.frozen.setdefault(run.name, state)
         # One weight-update group serves every slot; the slot's engine adapter is upserted by name.
         await self.sync.push(state, config, self.count, lora_name=run.lora_name)
+        if self.probe is not None:  # the trainer's slot holds exactly what was pushed until it steps again
+            mine = await asyncio.to_thread(self.trainer.probe_log_probs, self.probe.token_ids, run.slot)
+            await self.probe.check(mine, run.lora_name, what=f"weight version {self.count}")
 
     async def _record(self, bumped: list[str], iteration: int) -> None:
         """The controller counts a weight version for each adapter that stepped or is new (not a mere re-push)."""

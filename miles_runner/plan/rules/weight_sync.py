@@ -70,27 +70,6 @@ def multi_lora_pushes_every_step(cfg: MilesConfig, d: Derived) -> Iterator[Findi
         )
 
 
-@rule("verify-needs-on-policy-batches")
-def verify_needs_on_policy_batches(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.weight_sync.verify is not True:
-        return
-    if cfg.rollout.driver == "async":
-        yield Finding(
-            (VERIFY, DRIVER),
-            "The async driver trains every batch one step past the weights that generated it, so the logprob gap "
-            "would mix a faulty push with a step of training; it is checked only under the sync driver.",
-            f"{VERIFY}=false",
-        )
-    if d.multi_lora:
-        yield Finding(
-            (VERIFY, ADAPTERS),
-            "The multi-LoRA producer generates ahead of the trainer: an adapter's groups started after its push "
-            "are trained once it has stepped again, so the logprob gap would mix a faulty push with training. Its "
-            "pushes are still checked: every engine must report each pushed weight version.",
-            f"{VERIFY}=false",
-        )
-
-
 @rule("max-logprob-gap-positive")
 def max_logprob_gap_positive(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     gap = cfg.weight_sync.max_logprob_gap
@@ -111,6 +90,6 @@ def check_weight_equal_cannot_read_adapters(cfg: MilesConfig, d: Derived) -> Ite
             "SGLang 0.5.23 cannot read an adapter back: /weights_checker and /get_weights_by_name see the base "
             "model's parameters only (LoRA weights live in its adapter memory pool), and miles's own check compares "
             "base weights (its LoRA checker is a TODO). Each adapter push is checked instead: every engine must "
-            f"report the pushed weight version, and {VERIFY} bounds the logprob gap of the next batch.",
+            f"report the pushed weight version, and {VERIFY} bounds every engine's logprob gap on a probe.",
             "weight_sync.check_weight_equal=false",
         )
