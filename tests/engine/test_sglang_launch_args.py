@@ -1,10 +1,14 @@
 """Every flag a plan renders for a real SGLang engine is one that the pinned `sglang.launch_server` defines, and
-each engine.* GPU setting reaches that command line (the embedded engine refuses them: see the plan rules)."""
+each engine.* GPU setting reaches that command line (the embedded engine refuses them: see the plan rules).
+
+GPU plans are compiled as designs: this release refuses them until a trainer that trains on GPUs is built
+(fsdp-trainer-on-gpus-not-built, megatron-trainer-not-built), and their engine command lines are the ones a
+GPU release will start."""
 
 import pytest
 
 from miles_runner.config.compose import RECIPES_DIR, compose
-from miles_runner.plan.compile import compile_design, compile_plan
+from miles_runner.plan.compile import compile_design
 from miles_testkit.contract.sglang_args import launch_flags
 from miles_testkit.contract.sglang_spec import pinned_wheel
 
@@ -40,7 +44,7 @@ def test_every_flag_of_a_recipes_sglang_engines_exists_in_the_pinned_release(rec
 
 
 def test_each_gpu_engine_setting_reaches_the_sglang_command_line(sglang_flags):
-    argv = compile_plan(compose(GPU_SETTINGS)).engines[0].launch.argv
+    argv = compile_design(compose(GPU_SETTINGS)).engines[0].launch.argv
     assert set(flags_of(argv)) <= sglang_flags, argv
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
     assert argv[argv.index("--dp-size") + 1] == argv[argv.index("--tp-size") + 1]
@@ -53,13 +57,13 @@ def test_each_gpu_engine_setting_reaches_the_sglang_command_line(sglang_flags):
 
 
 def test_the_default_gpu_engine_keeps_sglangs_own_defaults(sglang_flags):
-    argv = compile_plan(compose(GPU)).engines[0].launch.argv
+    argv = compile_design(compose(GPU)).engines[0].launch.argv
     assert set(flags_of(argv)) <= sglang_flags
     assert not {"--disable-cuda-graph", "--quantization", "--enable-dp-attention"} & set(argv)
 
 
 def test_engine_parallelism_reaches_the_command_line(sglang_flags):
-    plan = compile_plan(compose(["cluster=h100_1x8", "engine=sglang", "engine.tp_size=4", "engine.ep_size=2"]))
+    plan = compile_design(compose(["cluster=h100_1x8", "engine=sglang", "engine.tp_size=4", "engine.ep_size=2"]))
     argv = plan.engines[0].launch.argv
     assert set(flags_of(argv)) <= sglang_flags
     assert (argv[argv.index("--tp-size") + 1], argv[argv.index("--ep-size") + 1]) == ("4", "2")

@@ -13,7 +13,7 @@ import pytest
 from miles_runner.config.compose import compose
 from miles_runner.executors.controller import controller_process
 from miles_runner.executors.local import Deployment, LocalExecutor
-from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import free_port_block
 from miles_runner.procs.process import ProcessStartError
@@ -54,7 +54,7 @@ def test_a_disaggregated_plan_starts_one_engine_per_rollout_gpu(tmp_path, rollou
 
 def test_engine_kind_selects_the_module_the_executor_starts(tmp_path):
     embedded = engine_processes(plan_of(), tmp_path)[0]
-    sglang = engine_processes(compile_plan(compose(["cluster=gpu_1x", "engine=sglang"])), tmp_path)[0]
+    sglang = engine_processes(compile_design(compose(["cluster=gpu_1x", "engine=sglang"])), tmp_path)[0]
     assert embedded.argv[:3] == [sys.executable, "-m", "miles_runner.embedded_engine"]
     assert sglang.argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
 

@@ -380,6 +380,8 @@ CASES = [
     RuleCase("megatron-trainer-not-built", QWEN05, (), ("trainer=fsdp", "lora_mode=peft")),
     RuleCase("full-weight-training-not-built", CPU, FULL_WEIGHTS, ()),
     RuleCase("fully-async-not-built", CPU, FULLY_ASYNC, ASYNC),
+    RuleCase("fsdp-trainer-on-gpus-not-built", ("cluster=gpu_1x", "engine=sglang"), (),
+             ("cluster=cpu", "engine=embedded")),
     RuleCase("train-only-adapter-not-built", CPU, ("adapters.train_only=true",), ("adapters.train_only=false",)),
     RuleCase("multi-node-ray-not-built", ("executor=ray",), ("cluster.nodes=2",), ("cluster.nodes=1",)),
     RuleCase(

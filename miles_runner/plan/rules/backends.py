@@ -16,7 +16,7 @@ from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, 
 
 # Rule ids of the refusals of what this release has not built (each names the issue that builds it).
 NOT_BUILT = ("megatron-trainer-not-built", "full-weight-training-not-built", "fully-async-not-built",
-             "multi-node-ray-not-built", "train-only-adapter-not-built")  # fmt: skip
+             "multi-node-ray-not-built", "train-only-adapter-not-built", "fsdp-trainer-on-gpus-not-built")  # fmt: skip
 
 # SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
 SGLANG_ONLY_ENGINE_SETTINGS = ("mem_fraction_static", "lora_backend", "enable_cuda_graph", "dp_attention",
@@ -63,6 +63,17 @@ def train_only_adapter_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Findi
             "Training an adapter while the engines roll out with the base model is not built: the loops push every "
             "adapter version to the engines, check that they serve it and bound the rollouts' staleness by it.",
             "adapters.train_only=false",
+        )
+
+
+@rule("fsdp-trainer-on-gpus-not-built")
+def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "fsdp" and not cfg.cluster.cpu_only:
+        yield Finding(
+            (BACKEND, "cluster.cpu_only"),
+            "The FSDP trainer of this release trains on the host CPU (it places nothing on CUDA devices): on a GPU "
+            "cluster its GPUs would sit idle. GPU training is the Megatron trainer's (issue 13).",
+            "cluster=cpu engine=embedded",
         )
 
 
