@@ -55,18 +55,23 @@ def adapters(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
     return _make_adapter(tiny_moe_dir, root / "first", 11), _make_adapter(tiny_moe_dir, root / "second", 12)
 
 
-@pytest.fixture(scope="session")
-def engine_url_for_sync(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def lora_engine(tiny_moe_dir: Path, log_dir: Path) -> Iterator[str]:
+    """A LoRA-enabled embedded engine for sync tests: yields its URL, stops it after."""
     port = free_port()
     argv = [
         sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(tiny_moe_dir),
         "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
         "--dist-timeout", str(DIST_TIMEOUT_S),
     ]  # fmt: skip
-    log = tmp_path_factory.mktemp("lora_sync_engine") / "engine.log"
-    process = start_engine(argv, port=port, log_path=log, env={"HF_HUB_OFFLINE": "1"}, timeout_s=180)
+    process = start_engine(argv, port=port, log_path=log_dir / "engine.log", env={"HF_HUB_OFFLINE": "1"},
+                           timeout_s=180)  # fmt: skip
     yield engine_url(argv, port)
     process.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url_for_sync(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from lora_engine(tiny_moe_dir, tmp_path_factory.mktemp("lora_sync_engine"))
 
 
 @pytest.fixture()

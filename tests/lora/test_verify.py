@@ -4,7 +4,6 @@ the plan's tolerance. Two real embedded engines; the trainer side is peft on the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +13,8 @@ from miles_runner.engine.client import EngineClient
 from miles_runner.lora.probe import PushProbe, mean_gap, probe_body, probe_token_ids
 from miles_runner.lora.tensor_sync import TensorSync
 from miles_runner.lora.verify import SyncVerificationError, check_engine_versions
-from miles_runner.procs.ports import LOOPBACK, free_port
-from miles_testkit.launch import engine_url, start_engine
 
-from .conftest import DIST_TIMEOUT_S, Adapter
+from .conftest import Adapter, lora_engine
 from .engine_probe import is_paused, served_adapters
 
 MAX_GAP = 0.01  # the embedded engine's default weight_sync.max_logprob_gap
@@ -93,16 +90,7 @@ async def test_a_verified_push_reports_the_seconds_its_check_took(client, coloca
 
 @pytest.fixture(scope="session")
 def second_engine_url(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(tiny_moe_dir),
-        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
-        "--dist-timeout", str(DIST_TIMEOUT_S),
-    ]  # fmt: skip
-    log = tmp_path_factory.mktemp("probe_engine") / "engine.log"
-    process = start_engine(argv, port=port, log_path=log, env={"HF_HUB_OFFLINE": "1"}, timeout_s=180)
-    yield engine_url(argv, port)
-    process.stop()
+    yield from lora_engine(tiny_moe_dir, tmp_path_factory.mktemp("probe_engine"))
 
 
 @pytest.fixture(scope="session")
