@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
 from miles_runner.cli.failure import driver_log, failure_report, format_traceback, log_traceback
+from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, STOPPED, write_result
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.compile import compile_plan
@@ -83,7 +85,18 @@ def new_run_folder(composed: ComposedConfig) -> Path:
 def execute(plan: Plan, run_dir: Path, *, resume: bool = False, debug: bool = False) -> int:
     """Run the plan: the executor starts its servers, the loop trains, everything is stopped at the end. A
     failure ends with one report on stderr (component, reason, its log's tail, the run folder); the traceback
-    goes to RUN_DIR/logs/driver.log, and to stderr too with `debug`."""
+    goes to RUN_DIR/logs/driver.log, and to stderr too with `debug`. Whatever the outcome, RUN_DIR/result.json
+    says how it ended."""
+    started = time.monotonic()
+    status, code = FAILED, EXIT_RUN_FAILED
+    try:
+        status, code = _run(plan, run_dir, resume=resume, debug=debug)
+    finally:
+        write_result(run_dir, status, code, time.monotonic() - started)
+    return code
+
+
+def _run(plan: Plan, run_dir: Path, *, resume: bool, debug: bool) -> tuple[str, int]:
     # Imported here, not at the top: the loops pull in torch, ray and transformers, which planning never needs.
     from miles_runner.loops.run import run_plan
     from miles_runner.lora.verify import SyncVerificationError
@@ -94,12 +107,14 @@ def execute(plan: Plan, run_dir: Path, *, resume: bool = False, debug: bool = Fa
         except KeyboardInterrupt:
             print(f"miles-run: stopped by Ctrl-C; every process it started was stopped.\nrun folder: {run_dir}",
                   file=sys.stderr)
-            return EXIT_INTERRUPTED
+            return INTERRUPTED, EXIT_INTERRUPTED
         except Exception as error:
             report = failure_report(error, run_dir, log)
             log_traceback(error)
             print(report + ("\n\n" + format_traceback(error) if debug else ""), file=sys.stderr)
             # a push the engines did not take: the run stopped itself, nothing was trained on it
-            return EXIT_RUN_STOPPED if isinstance(error, SyncVerificationError) else EXIT_RUN_FAILED
+            if isinstance(error, SyncVerificationError):
+                return STOPPED, EXIT_RUN_STOPPED
+            return FAILED, EXIT_RUN_FAILED
     print(f"run folder: {run_dir}")
-    return 0
+    return COMPLETED, 0
