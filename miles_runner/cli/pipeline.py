@@ -13,13 +13,13 @@ from pathlib import Path
 import yaml
 
 from miles_runner.cli.failure import driver_log, failure_report, format_traceback, log_traceback
-from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, STOPPED, write_result
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import new_run_dir, read_plan, write_run_record
 from miles_runner.plan.summary import summarize
+from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, STOPPED, write_result
 
 EXIT_RUN_FAILED = 1  # a component failed during the run
 EXIT_RUN_STOPPED = 3  # a check during the run stopped it (2 is a plan error: nothing started)

@@ -1,5 +1,6 @@
 """A failing run ends cleanly: one report naming the component, its reason, its log's tail and the run folder;
-the traceback in RUN_DIR/logs/driver.log (and on the console only with --debug); every process stopped."""
+the traceback in RUN_DIR/logs/driver.log (and on the console only with --debug); every process stopped; and
+RUN_DIR/result.json says how it ended (failed, interrupted; completed: tests/cli/test_sweep_summary.py)."""
 
 import os
 import signal
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from miles_runner.procs.ports import free_port_block, port_is_free
+from miles_runner.tracking.job_result import FAILED, INTERRUPTED, read_records, read_result
 
 DRIVER_FRAME = "miles_runner/loops/run.py"  # every traceback of a failed run passes through the dispatcher
 
@@ -65,6 +67,8 @@ def test_an_engine_that_cannot_start_is_named_with_its_log_and_no_traceback(tmp_
     last_line = (run_dir / "logs" / "engine0.log").read_text().splitlines()[-1]
     assert last_line in stderr, "the engine's own log tail says what is wrong"
     assert port_is_free("127.0.0.1", port) and port_is_free("127.0.0.1", port + 1)
+    result = read_result(run_dir)
+    assert (result.status, result.exit_code, result.steps, result.final_reward) == (FAILED, 1, 0, None)
 
 
 def test_debug_also_prints_the_traceback(tmp_path):
@@ -81,14 +85,36 @@ def test_debug_also_prints_the_traceback(tmp_path):
 def test_an_engine_killed_mid_run_is_named_and_every_process_stops(tmp_path):
     port = free_port_block(2)
     proc = miles_run(*run_args(tmp_path / "out", port, "algorithm.num_steps=50"), cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while (pid := engine_pid(port + 1)) is None or not list((tmp_path / "out").rglob("metrics.jsonl")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
+    pid = wait_for_first_step(proc, tmp_path / "out", port + 1)
     os.kill(pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1, stderr
     run_dir = run_dir_of(tmp_path / "out")
     assert_one_clean_report(stderr, run_dir, "engine1")
     assert "exited with code -9" in stderr and DRIVER_FRAME not in stderr
+    assert engine_pid(port) is None and port_is_free("127.0.0.1", port)
+
+
+def wait_for_first_step(proc: subprocess.Popen, output_root: Path, engine_port: int) -> int:
+    """The pid of the engine on `engine_port`, once the run has recorded a step."""
+    deadline = time.monotonic() + 300
+    while (pid := engine_pid(engine_port)) is None or not any(read_records(m.parent)
+                                                               for m in output_root.rglob("metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    return pid
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_its_result_says_interrupted(tmp_path):
+    port = free_port_block(2)
+    proc = miles_run(*run_args(tmp_path / "out", port, "algorithm.num_steps=50"), cwd=tmp_path)
+    wait_for_first_step(proc, tmp_path / "out", port)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "stopped by Ctrl-C" in stderr, stderr
+    run_dir = run_dir_of(tmp_path / "out")
+    result, records = read_result(run_dir), read_records(run_dir)
+    assert (result.status, result.exit_code) == (INTERRUPTED, 130)
+    assert result.steps == records[-1]["step"] + 1 < 50 and result.final_reward == records[-1]["reward/mean"]
     assert engine_pid(port) is None and port_is_free("127.0.0.1", port)
