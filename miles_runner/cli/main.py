@@ -6,15 +6,31 @@
                                                                      (it is always in RUN_DIR/logs/driver.log)
     miles-run --recipes                                              list the recipes (shipped and your own)
     miles-run --multirun ... a=x,y                                   a Hydra sweep; every point is checked first
+                                                                     and it ends with a summary (also in the
+                                                                     sweep folder's sweep_summary.md); exit 1
+                                                                     when a job failed
     miles-run --config-dir DIR ...                                   also read your recipes (DIR/recipe/NAME.yaml)
                                                                      and group options (DIR/GROUP/OPTION.yaml);
                                                                      repeatable; hydra.searchpath=[file://DIR]
                                                                      does the same
 
+On a Slurm cluster (hydra/launcher=miles_slurm): each job runs under its own Ray (executor=ray), on the plan's
+cluster.nodes x cluster.gpus_per_node; hydra.launcher.* sets partition, account, qos, time, cpus_per_task, mem,
+setup, srun_args, extra_sbatch, requeue, wait, nodes_timeout_s, python.
+    miles-run -m ... hydra/launcher=miles_slurm a=x,y                 submit the sweep as one job array and exit
+                                                                     (the sweep folder gets slurm_manifest.json);
+                                                                     hydra.launcher.wait=true blocks until the
+                                                                     jobs end and prints their results
+    miles-run ... hydra/launcher=miles_slurm                         without -m: submit this one run as a
+                                                                     one-job sweep (placed by hydra.sweep.dir)
+    miles-run ... hydra/launcher=miles_slurm --plan                  print each job's sbatch script; submit nothing
+    miles-run --status SWEEP_DIR                                     each job's Slurm state, nodes and folder; once
+                                                                     every job ended, the sweep summary
+
 Hydra's own settings: hydra.run.dir=DIR is the run folder itself (a single run); hydra.sweep.dir,
-hydra.sweep.subdir and hydra/launcher=NAME place and start the jobs of --multirun; hydra.searchpath adds config
-folders. Any other hydra.* setting is refused. Built tiny models are cached in $MILES_CACHE_DIR (default
-~/.cache/miles-runner).
+hydra.sweep.subdir and hydra/launcher=NAME place and start the jobs of --multirun (and of any run with
+hydra/launcher=miles_slurm); hydra.searchpath adds config folders. Any other hydra.* setting is refused. Built
+tiny models are cached in $MILES_CACHE_DIR (default ~/.cache/miles-runner).
 """
 
 from __future__ import annotations
@@ -27,8 +43,14 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from miles_runner.cli.hydra_app import launch_multirun
 from miles_runner.cli.pipeline import execute, new_run_folder, record_plan, resumed_plan, run_to_resume
+from miles_runner.cli.slurm import print_job_scripts, slurm_point_problems, sweep_status
 from miles_runner.config.compose import ComposedConfig, compose
-from miles_runner.config.hydra_settings import hydra_setting_problems, run_folder_problems, sweep_dir_overrides
+from miles_runner.config.hydra_settings import (
+    hydra_setting_problems,
+    run_folder_problems,
+    sweep_dir_overrides,
+    uses_slurm_launcher,
+)
 from miles_runner.config.sources import (
     config_dir_problems,
     config_sources,
@@ -40,10 +62,12 @@ from miles_runner.config.sources import (
 from miles_runner.core.errors import PlanError
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
+from miles_runner.slurm.contradictions import executor_problems, with_executor
 
 EXIT_PLAN_ERROR = 2
 OWN_FLAGS = {"--plan", "--recipes", "--help", "-h", "--multirun", "-m", "--debug"}
 CONFIG_DIR_FLAG = "--config-dir"
+STATUS_FLAG = "--status"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"miles-run: {exc}", file=sys.stderr)
         return EXIT_PLAN_ERROR
+    if rest and rest[0] == STATUS_FLAG:
+        return sweep_status(rest[1:])
     flags = {a for a in rest if a in OWN_FLAGS}
     overrides = [a for a in rest if a not in OWN_FLAGS]
     if flags & {"--help", "-h"}:
@@ -68,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             print(list_recipes(searchpath_entries(overrides)))
             return 0
         plan_only, debug = "--plan" in flags, "--debug" in flags
+        if uses_slurm_launcher(overrides):
+            return slurm_launch(overrides, plan_only=plan_only, debug=debug)
         if flags & {"--multirun", "-m"}:
             return multirun(overrides, plan_only=plan_only, debug=debug)
         return single_run(overrides, plan_only=plan_only, debug=debug, argv=args)
@@ -150,6 +178,20 @@ def multirun(overrides: list[str], *, plan_only: bool, debug: bool) -> int:
         return EXIT_PLAN_ERROR
     return launch_multirun([*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only,
                            debug=debug)
+
+
+def slurm_launch(overrides: list[str], *, plan_only: bool, debug: bool) -> int:
+    """hydra/launcher=miles_slurm, with or without --multirun: the jobs go to Slurm, each under its own Ray
+    (a single run is a sweep of one job). With --plan, each job's sbatch script is printed instead."""
+    if problems := hydra_setting_problems(overrides, multirun=True) + executor_problems(overrides):
+        raise PlanError(problems)
+    overrides = with_executor(overrides)
+    points = sweep_points(overrides)
+    if plan_only:
+        return print_job_scripts(points, overrides)
+    if problems := slurm_point_problems(points, overrides):
+        raise PlanError(problems)
+    return multirun(overrides, plan_only=False, debug=debug)
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:

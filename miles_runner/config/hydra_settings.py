@@ -2,7 +2,9 @@
 
 Honoured: `hydra.searchpath` (user config folders) always; `hydra.run.dir` by a single run (the run folder is
 exactly that folder); `hydra.sweep.dir`, `hydra.sweep.subdir` and the launcher (`hydra/launcher=...`,
-`hydra.launcher.*`) by `--multirun`, where Hydra itself places and starts the jobs.
+`hydra.launcher.*`) by `--multirun`, where Hydra itself places and starts the jobs. With the Slurm launcher
+(`hydra/launcher=miles_slurm`) a single run is a sweep of one job, so the sweep settings apply to it too. A
+`hydra.launcher.FIELD` must be one of the chosen launcher's settings (its ConfigStore entry).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ SEARCHPATH = SEARCHPATH_KEY
 RUN_DIR = "hydra.run.dir"
 SWEEP_KEYS = ("hydra.sweep.dir", "hydra.sweep.subdir")
 LAUNCHER_GROUP, LAUNCHER_PREFIX = "hydra/launcher", "hydra.launcher."
+SLURM_LAUNCHER = "miles_slurm"  # hydra_plugins/miles_slurm_launcher: a single run is submitted as one job
+BASIC_LAUNCHER = "basic"
 CHDIR = "hydra.job.chdir"
 HYDRA_RUN_DIR_DEFAULT = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"  # Hydra's, when config.yaml sets none
 HYDRA_SWEEP_DIR_DEFAULT = "multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}"
 HONOURED = (
     "miles-run honours hydra.searchpath, hydra.run.dir (single runs), hydra.sweep.dir/subdir and hydra/launcher "
-    "(--multirun)"
+    "(--multirun, or any run with hydra/launcher=miles_slurm)"
 )
 
 
@@ -45,12 +49,57 @@ def is_hydra_key(key: str) -> bool:
 
 def hydra_setting_problems(overrides: Sequence[str], *, multirun: bool) -> list[Problem]:
     """A problem for each command-line `hydra.*` setting this mode would not honour."""
+    launcher = launcher_choice(overrides)
+    slurm = launcher == SLURM_LAUNCHER
     problems = []
     for text in overrides:
         key = override_key(text)
-        if is_hydra_key(key) and (problem := hydra_setting_problem(key, text, multirun=multirun)):
+        if not is_hydra_key(key):
+            continue
+        if slurm and key == RUN_DIR:  # a single run under Slurm is a one-job sweep
+            problem = hydra_setting_problem(key, text, multirun=True)
+        else:
+            problem = hydra_setting_problem(key, text, multirun=multirun or slurm)
+        if problem is None and key.startswith(LAUNCHER_PREFIX):
+            problem = launcher_field_problem(launcher, key, text)
+        if problem:
             problems.append(problem)
     return problems
+
+
+def launcher_choice(overrides: Sequence[str]) -> str:
+    """The launcher the command line picks (hydra/launcher=NAME), else Hydra's basic one."""
+    chosen = [o.partition("=")[2] for o in overrides if override_key(o) == LAUNCHER_GROUP]
+    return chosen[-1] if chosen else BASIC_LAUNCHER
+
+
+def uses_slurm_launcher(overrides: Sequence[str]) -> bool:
+    return launcher_choice(overrides) == SLURM_LAUNCHER
+
+
+def launcher_fields(launcher: str) -> list[str] | None:
+    """The settings of a launcher registered in Hydra's ConfigStore (plugins register on Hydra's plugin scan);
+    None for one known only from a config folder."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # imports every hydra_plugins.* module, which stores its launcher's settings
+    try:
+        node = ConfigStore.instance().load(f"{LAUNCHER_GROUP}/{launcher}.yaml").node
+    except Exception:
+        return None
+    return sorted(k for k in node if k != "_target_")
+
+
+def launcher_field_problem(launcher: str, key: str, text: str) -> Problem | None:
+    valid = launcher_fields(launcher)
+    name = key.removeprefix(LAUNCHER_PREFIX).split(".")[0]
+    if valid is None or name in valid:
+        return None
+    listed = ", ".join(valid) if valid else "none"
+    return Problem("hydra-launcher-setting-unknown", [(text, COMMAND_LINE)],
+                   f"hydra/launcher={launcher} has no setting '{name}'; its settings: {listed}.",
+                   f"drop {text}" if not valid else f"use one of: {listed}")
 
 
 def hydra_setting_problem(key: str, text: str, *, multirun: bool) -> Problem | None:
@@ -78,7 +127,7 @@ def hydra_setting_problem(key: str, text: str, *, multirun: bool) -> Problem | N
         return Problem("hydra-setting-needs-multirun", setting,
                        f"{key} places or starts the jobs of a --multirun sweep; a single run never reads it "
                        "(its folder is hydra.run.dir, its servers are started by the executor).",
-                       "add --multirun, or set the run folder with hydra.run.dir=DIR")
+                       "add --multirun (or hydra/launcher=miles_slurm), or set the run folder with hydra.run.dir=DIR")
     return Problem("hydra-setting-unsupported", setting,
                    f"miles-run does not implement {key}: it would be accepted and have no effect. {HONOURED}.",
                    f"drop {text}")

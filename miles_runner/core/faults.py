@@ -10,7 +10,12 @@ import sys
 
 # Every sync pushes the initial (identity) adapter instead of the trained one: learning must then stop.
 FREEZE_ROLLOUT_ADAPTER = "MILES_FAULT_FREEZE_ROLLOUT_ADAPTER"
-FAULT_SWITCHES = {FREEZE_ROLLOUT_ADAPTER: "rollouts keep the initial adapter; the trained one never reaches them"}
+# The Slurm job script waits for one Ray node more than the job has: that node never joins.
+EXPECT_MISSING_NODE = "MILES_FAULT_EXPECT_MISSING_NODE"
+FAULT_SWITCHES = {
+    FREEZE_ROLLOUT_ADAPTER: "rollouts keep the initial adapter; the trained one never reaches them",
+    EXPECT_MISSING_NODE: "the Slurm job waits for one Ray node more than its allocation has",
+}
 
 log = logging.getLogger(__name__)
 

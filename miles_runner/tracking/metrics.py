@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,14 @@ class MetricsFile:
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps after the checkpoint, which the resumed run will redo."""
         kept = [r for r in self.read() if r.get("step", -1) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # Written aside and renamed over: a kill mid-write (a requeue, a preemption) leaves the old file or the
+        # new one, never a half-written file that would lose the steps before the checkpoint.
+        partial = self.path.with_name(self.path.name + ".tmp")
+        with partial.open("w") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in kept))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.path)
 
 
 def _plain(value: Any) -> Any:

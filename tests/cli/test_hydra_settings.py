@@ -101,8 +101,15 @@ def test_hydra_searchpath_must_be_written_plainly_for_hydra_to_read_it():
 
 def test_a_sweep_refuses_hydra_run_dir_and_accepts_its_own_settings():
     [problem] = hydra_setting_problems(["hydra.run.dir=x", "hydra.sweep.dir=s", "hydra.sweep.subdir=n",
-                                        "hydra/launcher=basic", "hydra.launcher.n_jobs=2"], multirun=True)
+                                        "hydra/launcher=miles_slurm", "hydra.launcher.partition=gpu"], multirun=True)
     assert problem.rule == "hydra-run-dir-in-sweep" and problem.fix == "hydra.sweep.dir=x"
+
+
+def test_a_launcher_setting_the_chosen_launcher_does_not_have_is_refused_with_the_valid_ones():
+    [basic] = hydra_setting_problems(["hydra.launcher.n_jobs=2"], multirun=True)  # Hydra's basic launcher: none
+    assert basic.rule == "hydra-launcher-setting-unknown" and "its settings: none" in basic.reason
+    [slurm] = hydra_setting_problems(["hydra/launcher=miles_slurm", "hydra.launcher.partiton=gpu"], multirun=True)
+    assert slurm.rule == "hydra-launcher-setting-unknown" and "partition" in slurm.fix and "requeue" in slurm.fix
 
 
 def sweep(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -150,3 +150,13 @@ def test_a_short_real_run_trains_and_records(install):
     run_dir = install.work / "first_run"
     assert (run_dir / "plan.yaml").is_file()
     assert [yaml.safe_load(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+def test_the_slurm_launcher_plugin_ships_in_the_wheel(install):
+    """Hydra finds hydra/launcher=miles_slurm in the installed wheel (its plugin scan of hydra_plugins)."""
+    code = ("import hydra_plugins.miles_slurm_launcher.launcher as m; print(m.__file__)")
+    done = subprocess.run([str(install.venv / "bin" / "python"), "-c", code], cwd=install.work, env=install.env,
+                          capture_output=True, text=True, check=True)
+    assert Path(done.stdout.strip()).is_relative_to(install.venv)
+    out = install.run("+recipe=tiny_lora_agentic", "hydra/launcher=miles_slurm", "--plan").stdout
+    assert "#SBATCH --nodes=1" in out and "miles_runner.cli.recorded_run" in out
