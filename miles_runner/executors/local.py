@@ -4,6 +4,11 @@ Engines (started together, then each waited for) -> router -> session server. Th
 driver's own process. Whatever happens (success, an exception, Ctrl-C), every process started is stopped,
 newest first; ports are checked before anything starts, so a busy port fails fast with its name.
 
+The Ray executor's node agents run the same start-up for one node each of a plan that spans nodes (`node`,
+`addresses`): the node's engines (`start_engines`, on every node first), then the router and the session
+server where the plan puts them (`start_services`), with the nodes' own addresses in place of the plan's
+`{nodeK}` placeholders; they also adopt the trainer ranks placed on their node (`start_process`).
+
 An engine that dies mid-run is started again on the same port by `restart_dead_engines`, at most
 `executor.engine_restarts` times each (and registered with the router again); it comes back without adapters,
 which the driver notices from its weight version and pushes again.
@@ -12,19 +17,21 @@ which the driver notices from its weight version and pushes again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.engine.router import ensure_worker, wait_for_workers
 from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
-from miles_runner.plan.model import EnginePlan, Launch, Plan
+from miles_runner.plan.model import EnginePlan, Launch, Plan, plan_on_nodes, server_launches
 from miles_runner.plan.model_shape import checkpoint_config, describe_mismatches, shape_mismatches
 from miles_runner.procs.launch import check_ports, launch_process
-from miles_runner.procs.ports import port_is_free
+from miles_runner.procs.ports import LOOPBACK, port_is_free
 from miles_runner.procs.process import ManagedProcess, ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,8 @@ class Deployment:
     rollout_url: str  # the router, else the only engine
     session_url: str | None
     processes: list[ManagedProcess] = field(default_factory=list)
+    # Starts the trainer ranks placed on other nodes (trainer.ranks.RemoteRanks); None on one node.
+    remote_ranks: Any = None
 
 
 class Executor:
@@ -76,22 +85,24 @@ class Executor:
 
 
 class LocalExecutor(Executor):
-    def __init__(self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None):
-        self.plan = plan
+    """The plan's servers on this machine; with `node`, only those the plan puts on that node (a node agent's
+    share of a plan that spans nodes, whose `{nodeK}` placeholders become `addresses[K]`)."""
+
+    def __init__(
+        self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None, node: int | None = None,
+        addresses: Sequence[str] = (LOOPBACK,),
+    ):  # fmt: skip
+        self.plan = plan_on_nodes(plan, addresses)  # what runs: the nodes' own addresses
+        self.mine = {name for name, launch in server_launches(plan) if node is None or launch.node == node}
         self.run_dir = Path(run_dir)
         self.timeout_override = startup_timeout_s  # else each component's own timeout, from the plan
         self.startup_timeout_s = startup_timeout_s or plan.executor.health_timeout_s
         self.group = ProcessGroup()
-        self.engines: list[ManagedProcess] = []  # by engine index, the current process of each
+        self.engines: dict[int, ManagedProcess] = {}  # by engine index, the current process of each of mine
         self.restarts = [0] * len(plan.engines)
 
     def launches(self) -> list[tuple[str, Launch]]:
-        named = [(f"engine{e.index}", e.launch) for e in self.plan.engines]
-        if self.plan.router:
-            named.append(("router", self.plan.router.launch))
-        if self.plan.session:
-            named.append(("session", self.plan.session.launch))
-        return named
+        return [(name, launch) for name, launch in server_launches(self.plan) if name in self.mine]
 
     def check_ports(self) -> None:
         check_ports(self.launches())
@@ -127,27 +138,44 @@ class LocalExecutor(Executor):
         return self.process(f"engine{engine.index}", engine.launch, self.timeout_override or engine.startup_timeout_s)
 
     def start(self) -> Deployment:
+        self.start_engines()
+        self.start_services()
+        return self.deployment()
+
+    def start_engines(self) -> None:
+        """Check every port of this node's components, build the model if needed, and start this node's engines
+        together (their model loads overlap), each healthy before this returns."""
         self.check_ports()
         self.prepare_model()
-        engines = [self.engine_process(engine) for engine in self.plan.engines]
+        engines = {e.index: self.engine_process(e) for e in self.plan.engines if f"engine{e.index}" in self.mine}
         try:
-            for engine in engines:  # start together: their model loads overlap
+            for engine in engines.values():
                 engine.start()
-            for engine in engines:
+            for engine in engines.values():
                 engine.wait_healthy()
                 self.group.adopt(engine)
-            for name, launch in self.launches():
-                if not name.startswith("engine"):
-                    self.group.start(process := self.process(name, launch))
-                if name == "router":  # it answers /health at once, but drops engines it could not reach
-                    wait_for_workers(process, launch.url, [e.launch.url for e in self.plan.engines],
-                                     self.startup_timeout_s)
         except BaseException:
-            for engine in engines:
+            for engine in engines.values():
                 engine.stop()
             self.group.stop()
             raise
         self.engines = engines
+
+    def start_services(self) -> None:
+        """The router and the session server, if on this node, once every engine (of every node) is healthy."""
+        try:
+            for name, launch in self.launches():
+                if name.startswith("engine"):
+                    continue
+                self.group.start(process := self.process(name, launch))
+                if name == "router":  # it answers /health at once, but drops engines it could not reach
+                    wait_for_workers(process, launch.url, [e.launch.url for e in self.plan.engines],
+                                     self.startup_timeout_s)
+        except BaseException:
+            self.group.stop()
+            raise
+
+    def deployment(self) -> Deployment:
         plan = self.plan
         return Deployment(
             engine_urls=[e.launch.url for e in plan.engines],
@@ -156,6 +184,10 @@ class LocalExecutor(Executor):
             processes=list(self.group.processes),
         )
 
+    def start_process(self, name: str, launch: Launch) -> ManagedProcess:
+        """Start a worker of the run on this node (a trainer rank: no health check), stopped with the rest."""
+        return self.group.adopt(launch_process(name, launch, self.run_dir / "logs", startup_timeout_s=0).start())
+
     def stop(self) -> None:
         self.group.stop()
 
@@ -163,7 +195,7 @@ class LocalExecutor(Executor):
         return [failure for process in self.group.processes if (failure := process.died())]
 
     def restart_dead_engines(self) -> list[int]:
-        restarted = [index for index, engine in enumerate(self.engines) if not engine.alive]
+        restarted = [index for index, engine in self.engines.items() if not engine.alive]
         for index in restarted:
             self._restart_engine(index)
         return restarted

@@ -73,7 +73,7 @@ class SingleAdapterLoop:
             return asyncio.run(self._loop(deployment))
 
     async def _loop(self, deployment) -> list[dict[str, Any]]:
-        trainer = make_trainer(self.plan, self.run_dir)
+        trainer = make_trainer(self.plan, self.run_dir, deployment.remote_ranks)  # ranks on other nodes: their agents
         try:
             return await self._run_with(trainer, deployment)
         finally:

@@ -36,12 +36,15 @@ from miles_runner.plan.model import (
     SessionPlan,
     SyncPlan,
     TrainerPlan,
+    node_host,
     resolve_max_logprob_gap,
     resolve_verify,
 )
 from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES
 
 LOOPBACK = "127.0.0.1"
+# Where the router and the session server run on a plan that spans nodes: beside the driver (trainer rank 0).
+SERVICES_NODE = 0
 
 
 def compile_plan(composed: ComposedConfig) -> Plan:
@@ -189,6 +192,12 @@ def rollout_slots(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
     return [s for s in slot_list(cfg, d) if s not in taken][: d.rollout_gpus]
 
 
+def host_on(cfg: MilesConfig, node: int) -> str:
+    """The address a component on plan node `node` binds: loopback on one node; across nodes that node's own
+    address (its placeholder, filled in by the node agent at run time), never 0.0.0.0."""
+    return LOOPBACK if cfg.cluster.nodes == 1 else node_host(node)
+
+
 def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
     slots, tp, engines = rollout_slots(cfg, d), cfg.engine.tp_size, []
     for i in range(d.num_engines):
@@ -197,8 +206,9 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
         port = cfg.engine.base_port + i
         ids = [g for n, g in mine if n == nodes[0]]
         env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
-        argv = render.engine_argv(cfg, d, host=LOOPBACK, port=port, nnodes=len(nodes))
-        launch = Launch(argv, LOOPBACK, port, env, "/health")
+        host = host_on(cfg, nodes[0])
+        argv = render.engine_argv(cfg, d, host=host, port=port, nnodes=len(nodes))
+        launch = Launch(argv, host, port, env, "/health")
         engines.append(EnginePlan(i, cfg.engine.kind, cfg.engine.build, nodes, ids, tp, cfg.engine.ep_size, launch,
                                   cfg.engine.startup_timeout_s))
     return engines
@@ -207,9 +217,9 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
 def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> RouterPlan | None:
     if cfg.router.kind == "none":
         return None
-    urls = [e.launch.url for e in engines]
-    argv = render.router_argv(LOOPBACK, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port)
-    return RouterPlan(d.router_policy, Launch(argv, LOOPBACK, cfg.router.port, {}, "/health"))
+    urls, host = [e.launch.url for e in engines], host_on(cfg, SERVICES_NODE)
+    argv = render.router_argv(host, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port)
+    return RouterPlan(d.router_policy, Launch(argv, host, cfg.router.port, {}, "/health"))
 
 
 def build_session(
@@ -220,7 +230,11 @@ def build_session(
     # Multi-LoRA sessions name their adapter slot per session; a single adapter is on every turn.
     lora_name = d.engine_lora_names[0] if d.lora_rollout_enabled and not d.multi_lora else None
     router_url, engine_urls = (router.launch.url if router else None), [e.launch.url for e in engines]
-    argv = render.session_argv(cfg, d, router_url=router_url, engine_urls=engine_urls, lora_name=lora_name)
+    # session.host is the single-node bind address; across nodes the server binds node 0's own address (the
+    # rule multi-node-session-host refuses another session.host there).
+    host = cfg.session.host if cfg.cluster.nodes == 1 else host_on(cfg, SERVICES_NODE)
+    argv = render.session_argv(cfg, d, host=host, router_url=router_url, engine_urls=engine_urls,
+                               lora_name=lora_name)
     return SessionPlan(
         version=cfg.session.version,
         lora_name=lora_name,
@@ -228,7 +242,7 @@ def build_session(
         return_routed_experts=cfg.rollout.routing_replay,
         tito_model=cfg.session.tito_model,
         message_matcher=cfg.session.message_matcher,
-        launch=Launch(argv, cfg.session.host, cfg.session.port, {}, "/health"),
+        launch=Launch(argv, host, cfg.session.port, {}, "/health"),
     )
 
 

@@ -8,6 +8,8 @@ schema loader as the config, so a run executes exactly the plan that was saved.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +26,28 @@ from miles_runner.config.schema import (
 )
 from miles_runner.core.adapters import AdapterSpec
 
+# A plan that spans nodes names each node's address by a placeholder, `{node<K>}` (plan node K: the Ray node that
+# offers core.cluster_nodes.node_resource(K)); the node agents fill in the nodes' own addresses at run time.
+# A single-node plan has no placeholder: its components bind loopback.
+NODE_HOST = re.compile(r"\{node(\d+)\}")
+
+
+def node_host(node: int) -> str:
+    """The placeholder for plan node `node`'s own address."""
+    return f"{{node{node}}}"
+
+
+def fill_node_hosts(text: str, addresses: Sequence[str]) -> str:
+    """`text` with every `{node<K>}` replaced by addresses[K]."""
+    return NODE_HOST.sub(lambda m: addresses[int(m.group(1))], text)
+
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start one real component: argv (argv[0] "python" means the run's interpreter), env, address."""
+    """How to start one real component: argv (argv[0] "python" means the run's interpreter), env, address.
+
+    `host` is loopback on a single-node plan; on a plan that spans nodes it is the placeholder of the node the
+    component runs on (`{node1}`), which also tells the executor where to start it (`node`)."""
 
     argv: list[str]
     host: str = "127.0.0.1"
@@ -38,6 +58,19 @@ class Launch:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def node(self) -> int:
+        """The plan node this component runs on: its host's placeholder, else node 0 (a single-node plan)."""
+        match = NODE_HOST.fullmatch(self.host)
+        return int(match.group(1)) if match else 0
+
+    def on_nodes(self, addresses: Sequence[str]) -> Launch:
+        """This launch with the nodes' own addresses in place of their placeholders (host, argv and env)."""
+        return dataclasses.replace(
+            self, host=fill_node_hosts(self.host, addresses), argv=[fill_node_hosts(a, addresses) for a in self.argv],
+            env={k: fill_node_hosts(v, addresses) for k, v in self.env.items()},
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,6 +251,29 @@ class Plan:
         """The router if there is one, else engine 0: the entry for calls any one engine may answer. Generation
         goes to a worker per prompt group or session instead (engine/workers.py), never through the router."""
         return self.router.launch.url if self.router else self.engines[0].launch.url
+
+
+def server_launches(plan: Plan) -> list[tuple[str, Launch]]:
+    """The servers an executor starts, by component name, in start order: engines, router, session server."""
+    named = [(f"engine{e.index}", e.launch) for e in plan.engines]
+    if plan.router:
+        named.append(("router", plan.router.launch))
+    if plan.session:
+        named.append(("session", plan.session.launch))
+    return named
+
+
+def plan_on_nodes(plan: Plan, addresses: Sequence[str]) -> Plan:
+    """The plan with the nodes' own addresses in place of their placeholders in every launch (a single-node plan
+    comes back equal); read each component's node (Launch.node) from the plan before this."""
+    replace = dataclasses.replace
+    return replace(
+        plan,
+        engines=[replace(e, launch=e.launch.on_nodes(addresses)) for e in plan.engines],
+        router=plan.router and replace(plan.router, launch=plan.router.launch.on_nodes(addresses)),
+        session=plan.session and replace(plan.session, launch=plan.session.launch.on_nodes(addresses)),
+        multi_lora=plan.multi_lora and replace(plan.multi_lora, launch=plan.multi_lora.launch.on_nodes(addresses)),
+    )
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived, absolute_path
+from miles_runner.plan.model import Launch
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.embedded_engine"}
@@ -61,13 +62,13 @@ def router_argv(host: str, port: int, policy: str, worker_urls: list[str], *, me
 
 
 def session_argv(
-    cfg: MilesConfig, d: Derived, *, router_url: str | None, engine_urls: list[str], lora_name: str | None
+    cfg: MilesConfig, d: Derived, *, host: str, router_url: str | None, engine_urls: list[str], lora_name: str | None
 ) -> list[str]:
     s = cfg.session
     # Each session is pinned to one of the router's workers, else of every engine (session/upstream.py).
     upstream = ["--router-url", router_url] if router_url else [a for url in engine_urls for a in ("--engine-url", url)]
     argv = [PYTHON, "-m", "miles_runner.session.server", *upstream, "--model-path", d.model_path]
-    argv += ["--host", s.host, "--port", str(s.port), "--version", s.version]
+    argv += ["--host", host, "--port", str(s.port), "--version", s.version]
     argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
     argv += ["--tito-model", s.tito_model, "--message-matcher", s.message_matcher]
     if lora_name:
@@ -80,9 +81,18 @@ def session_argv(
 
 
 def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
-    """The driver, run in the run folder: trainer rank 0 itself; it starts ranks 1..N-1 as
-    `python -m miles_runner.trainer.ranks RUN_DIR --rank K --master-port P` (one node)."""
+    """The driver, run in the run folder on plan node 0: trainer rank 0 itself; ranks 1..N-1 start as
+    `trainer_rank_argv` where plan.trainer.placements puts them (on node 0 by the driver, on another node by
+    that node's agent)."""
     return [PYTHON, "-m", "miles_runner.loops.run", "."]
+
+
+def trainer_rank_launch(run_dir: str, rank: int, slot: int, master_address: str, master_port: int) -> Launch:
+    """A follower trainer rank on slot `slot` of its node: it reads RUN_DIR/plan.yaml (a folder every node
+    shares) and joins rank 0's group at master_address:master_port. It serves nothing (no health check)."""
+    argv = [PYTHON, "-m", "miles_runner.trainer.ranks", run_dir, "--rank", str(rank),
+            "--master-address", master_address, "--master-port", str(master_port)]  # fmt: skip
+    return Launch(argv, env={"LOCAL_RANK": str(slot)}, health_path="")
 
 
 def controller_argv(host: str, port: int) -> list[str]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import shlex
 
+from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.sglang_protocol import SGLANG_VERSION, STOCK
-from miles_runner.plan.model import Launch, Plan
+from miles_runner.plan.model import Launch, Plan, node_host, server_launches
 
 
 def summarize(plan: Plan, plan_path: str) -> str:
-    rows = [
-        ("cluster", cluster_line(plan)),
+    rows = [("cluster", cluster_line(plan))]
+    if plan.cluster.nodes > 1:
+        rows += [(f"node {k}", line) for k, line in enumerate(node_lines(plan))]
+    rows += [
         ("trainer", trainer_line(plan)),
         ("algorithm", algorithm_line(plan)),
         ("engines", engines_line(plan)),
@@ -34,8 +37,19 @@ def summarize(plan: Plan, plan_path: str) -> str:
 def cluster_line(plan: Plan) -> str:
     c = plan.cluster
     if c.cpu_only:
-        return f"{c.nodes} node x {c.slots_per_node} CPU slots (no GPU), {plan.topology}"
+        return f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.slots_per_node} CPU slots (no GPU), {plan.topology}"
     return f"{c.nodes} nodes x {c.gpus_per_node} {c.gpu_type} ({c.total_slots} GPUs), {plan.topology}"
+
+
+def node_lines(plan: Plan) -> list[str]:
+    """What runs on each node of a plan that spans nodes, and where its address comes from."""
+    on_node: list[list[str]] = [[] for _ in range(plan.cluster.nodes)]
+    for rank, (node, _slot) in enumerate(plan.trainer.placements):
+        on_node[node].append("driver (trainer rank 0)" if rank == 0 else f"trainer rank {rank}")
+    for name, launch in server_launches(plan):
+        on_node[launch.node].append(name)
+    return [f"{', '.join(names) or 'nothing'}; address {node_host(k)}: the Ray node offering {node_resource(k)}"
+            for k, names in enumerate(on_node)]  # fmt: skip
 
 
 def trainer_line(plan: Plan) -> str:

@@ -1,7 +1,7 @@
 """Start a component from its plan line: the one way the runner turns argv into a supervised process.
 
 Engines, the router, the session server, the multi-LoRA controller (from their `Launch`) and trainer ranks
-(`python_module`) all start here, so every child gets the same treatment: the run's interpreter and router
+all start here, so every child gets the same treatment: the run's interpreter and router
 binary, a log under the run folder, a health check where the component has one, and a busy port named
 before anything starts.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from miles_runner.plan.model import Launch
@@ -67,10 +67,3 @@ def launch_process(
         startup_timeout_s=startup_timeout_s,
     )
 
-
-def python_module(
-    name: str, module: str, args: Sequence[str], log_dir: Path, *, env: Mapping[str, str] | None = None
-) -> ManagedProcess:
-    """`python -m module args...` under this interpreter (a worker without a health URL), not yet started."""
-    argv = [sys.executable, "-m", module, *args]
-    return ManagedProcess(name, argv, env=env, log_path=Path(log_dir) / f"{name}.log")

@@ -1,6 +1,10 @@
-"""Several trainer ranks on one node (plan.trainer.parallel.world_size > 1): the driver's own process is rank 0,
-and world_size - 1 follower processes replay every call rank 0 makes on the trainer (SPMD), so the collectives
+"""Several trainer ranks (plan.trainer.parallel.world_size > 1): the driver's own process is rank 0, and
+world_size - 1 follower processes replay every call rank 0 makes on the trainer (SPMD), so the collectives
 inside the trainer (FSDP2 all-gathers, gradient all-reduces, full state-dict gathers) line up on every rank.
+
+Each rank runs where plan.trainer.placements puts it ([node, slot]): the driver is on node 0 and starts the
+followers of node 0 itself; a follower on another node is started by that node's agent (`RemoteRanks`, from the
+Ray executor's deployment), and every rank joins rank 0 at node 0's own address (loopback on one node).
 
     driver, rank 0                          follower k: python -m miles_runner.trainer.ranks RUN_DIR --rank k ...
     trainer = make_trainer(plan, run_dir)   builds the same trainer from RUN_DIR/plan.yaml
@@ -21,13 +25,14 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from miles_runner.plan.model import Plan
+from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.record import read_plan
-from miles_runner.procs.launch import python_module
+from miles_runner.plan.render import trainer_rank_launch
+from miles_runner.procs.launch import launch_process
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
@@ -51,19 +56,43 @@ def build_trainer(plan: Plan) -> Any:
     return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
 
 
-def make_trainer(plan: Plan, run_dir: Path) -> RankedTrainer:
-    """The driver's trainer: rank 0 of `world_size` ranks (followers started here), or alone for one rank.
-    Call `close()` when done."""
+class Follower(Protocol):
+    """A follower rank's process, here (procs.ManagedProcess) or on another node (the node agent's handle)."""
+
+    name: str
+    log_path: Path
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def stop(self) -> Any: ...
+
+
+class RemoteRanks(Protocol):
+    """Starts the follower ranks placed on nodes other than the driver's (the Ray executor's node agents)."""
+
+    master_address: str  # node 0's own address, where rank 0 listens
+
+    def start_rank(self, name: str, node: int, launch: Launch) -> Follower: ...
+
+
+def make_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedTrainer:
+    """The driver's trainer: rank 0 of `world_size` ranks (followers started where the plan places them), or
+    alone for one rank. `remote` starts the ranks on other nodes (a multi-node plan). Call `close()` when done."""
     if plan.trainer.parallel.world_size <= 1:
         return RankedTrainer(build_trainer(plan), [], None)
-    return RankedTrainer.start(plan, Path(run_dir))
+    return RankedTrainer.start(plan, Path(run_dir), remote)
 
 
-def join_group(plan: Plan, rank: int, master_port: int) -> Any:
-    """Join the trainer's default process group; returns the group commands travel on (gloo)."""
+def join_group(plan: Plan, rank: int, master_address: str, master_port: int) -> Any:
+    """Join the trainer's default process group at rank 0's address; returns the group commands travel on
+    (gloo)."""
     backend = "gloo" if plan.cluster.cpu_only else "nccl"
     dist.init_process_group(
-        backend, init_method=f"tcp://{LOOPBACK}:{master_port}", rank=rank,
+        backend, init_method=f"tcp://{master_address}:{master_port}", rank=rank,
         world_size=plan.trainer.parallel.world_size, timeout=timedelta(seconds=TIMEOUT_S),
     )  # fmt: skip
     return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
@@ -83,16 +112,13 @@ class RankedTrainer:
         self._local, self._followers, self._commands = local, followers, commands
 
     @classmethod
-    def start(cls, plan: Plan, run_dir: Path) -> RankedTrainer:
-        port, world = free_port(), plan.trainer.parallel.world_size
-        followers = [
-            python_module(f"trainer{rank}", "miles_runner.trainer.ranks",
-                          [str(run_dir), "--rank", str(rank), "--master-port", str(port)],
-                          run_dir / "logs", env={"LOCAL_RANK": str(rank)}).start()
-            for rank in range(1, world)
-        ]  # fmt: skip
+    def start(cls, plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedTrainer:
+        master = remote.master_address if remote else LOOPBACK
+        port, followers = free_port(master), []
         try:
-            commands = join_group(plan, 0, port)
+            for rank in range(1, plan.trainer.parallel.world_size):
+                followers.append(start_follower(plan, run_dir, rank, master, port, remote))
+            commands = join_group(plan, 0, master, port)
             return cls(build_trainer(plan), followers, commands)
         except BaseException:
             for follower in followers:
@@ -132,10 +158,24 @@ class RankedTrainer:
         dist.destroy_process_group()
 
 
-def follow(run_dir: Path, rank: int, master_port: int) -> None:
+def start_follower(
+    plan: Plan, run_dir: Path, rank: int, master: str, port: int, remote: RemoteRanks | None
+) -> Follower:
+    """Start follower `rank` on the node its placement names: here on node 0, else by that node's agent."""
+    node, slot = plan.trainer.placements[rank]
+    launch, name = trainer_rank_launch(str(Path(run_dir).resolve()), rank, slot, master, port), f"trainer{rank}"
+    if node == 0:
+        return launch_process(name, launch, Path(run_dir) / "logs", startup_timeout_s=0).start()
+    if remote is None:
+        raise RuntimeError(f"trainer rank {rank} is placed on node {node}: only the Ray executor's node agents "
+                           "start ranks on other nodes")  # fmt: skip
+    return remote.start_rank(name, node, launch)
+
+
+def follow(run_dir: Path, rank: int, master_address: str, master_port: int) -> None:
     """A follower rank: build the plan's trainer, then replay rank 0's calls until told to exit."""
     plan = read_plan(run_dir / "plan.yaml")
-    commands = join_group(plan, rank, master_port)
+    commands = join_group(plan, rank, master_address, master_port)
     trainer = build_trainer(plan)
     while (command := _receive(commands))[0] != EXIT:
         name, args, kwargs = command
@@ -150,10 +190,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miles_runner.trainer.ranks", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--master-address", default=LOOPBACK, help="rank 0's node address")
     parser.add_argument("--master-port", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    follow(args.run_dir, args.rank, args.master_port)
+    follow(args.run_dir, args.rank, args.master_address, args.master_port)
 
 
 if __name__ == "__main__":

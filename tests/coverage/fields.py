@@ -35,8 +35,8 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "run.dir": (Runs((f"{DRIVER}::test_sigkill_mid_run_resumes_with_no_step_lost_or_repeated",)),),
     # ---- cluster: what the job may use ----
     "cluster.nodes": (
+        Runs(("tests/executors/test_multi_node_ray.py::test_the_glm52_shaped_plan_runs_on_two_nodes_with_the_same_result_as_on_one",)),
         Refused("local-executor-is-one-node", "2"),
-        Refused("multi-node-ray-not-built", "2", ("executor=ray",)),
     ),
     "cluster.gpus_per_node": (Refused("gpu-cluster-needs-gpus", "0", ("cluster=gpu_1x",)),),
     "cluster.gpu_type": (Refused("cpu-cluster-runs-no-gpu-components", "H100"),),

@@ -57,7 +57,7 @@ def test_a_dead_engine_comes_back_on_its_port_behind_the_router_until_the_budget
         with pytest.raises(EngineLostError, match=r"engine0: .* executor\.engine_restarts=1 restart\(s\) are used up"):
             executor.restart_dead_engines()
         replacement_pid = new.pid
-    assert wait_gone([p.pid for p in executor.engines] + [replacement_pid]) == []
+    assert wait_gone([p.pid for p in executor.engines.values()] + [replacement_pid]) == []
 
 
 def test_a_worker_the_router_dropped_is_registered_again(tmp_path):

@@ -1,5 +1,6 @@
 """executor.ray_address: the Ray executor joins a Ray cluster that is already up (here a head started on loopback
-for the test) instead of starting its own, runs the plan's servers on it, and leaves it running after the run."""
+for the test, as plan node 0: it offers miles_node_0) instead of starting its own, runs the plan's servers on it,
+and leaves it running after the run. A cluster that does not say which node is plan node 0 is refused at once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.executors.ray import RayExecutor
+from miles_runner.core.cluster_nodes import node_resource
+from miles_runner.executors.ray import ClusterNodesError, RayExecutor
 from miles_runner.plan.compile import compile_plan
 from miles_runner.procs.ports import free_port, port_is_free
 from miles_runner.procs.process import ManagedProcess
@@ -26,15 +28,17 @@ pytestmark = pytest.mark.slow
 MARKER = "existing_cluster"  # a custom resource only the test's own head node has
 
 
-@pytest.fixture
-def ray_head(tmp_path) -> Iterator[tuple[str, ManagedProcess]]:
-    """A Ray head node on 127.0.0.1 (its whole process group is stopped afterwards); yields its address."""
+@pytest.fixture(params=[True], ids=["node0"])
+def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
+    """A Ray head node on 127.0.0.1 (its whole process group is stopped afterwards), offering miles_node_0 unless
+    the test asks otherwise (indirect parametrisation); yields its address."""
+    resources = {MARKER: 1, **({node_resource(0): 1000} if request.param else {})}
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     argv = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-        f"--port={port}", "--num-cpus=1", f"--resources={json.dumps({MARKER: 1})}", "--include-dashboard=false",
+        f"--port={port}", "--num-cpus=1", f"--resources={json.dumps(resources)}", "--include-dashboard=false",
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
@@ -66,3 +70,17 @@ def test_the_ray_executor_runs_the_plan_on_the_cluster_at_ray_address_and_leaves
     assert not ray.is_initialized()  # the driver left the cluster...
     assert head.alive  # ...which it did not start, and does not stop
     assert port_is_free("127.0.0.1", plan.engines[0].launch.port), "the plan's engine outlived the run"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ray_head", [False], ids=["no-node-resource"], indirect=True)
+def test_a_cluster_with_no_node_offering_miles_node_0_is_refused_before_anything_starts(tmp_path, ray_head):
+    import ray
+
+    address, _ = ray_head
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
+                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    with pytest.raises(ClusterNodesError, match="node 0 \\(miles_node_0\\)"):
+        RayExecutor(plan, tmp_path).start()
+    assert not ray.is_initialized()
+    assert not (tmp_path / "logs").exists(), "something was started"

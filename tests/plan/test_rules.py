@@ -383,7 +383,9 @@ CASES = [
     RuleCase("fsdp-trainer-on-gpus-not-built", ("cluster=gpu_1x", "engine=sglang"), (),
              ("cluster=cpu", "engine=embedded")),
     RuleCase("train-only-adapter-not-built", CPU, ("adapters.train_only=true",), ("adapters.train_only=false",)),
-    RuleCase("multi-node-ray-not-built", ("executor=ray",), ("cluster.nodes=2",), ("cluster.nodes=1",)),
+    RuleCase("multi-node-engine-not-built", GLM, ("engine.tp_size=16",), ("engine.tp_size=8",)),
+    RuleCase("multi-node-session-host", (*TINY, "executor=ray", "cluster.nodes=2"), ("session.host=0.0.0.0",),
+             ("session.host=127.0.0.1",)),
     RuleCase(
         "embedded-engine-takes-no-sglang-gpu-settings", CPU,
         ("engine.mem_fraction_static=0.5",), ("engine.mem_fraction_static=0.8",),

@@ -55,7 +55,7 @@ class MultiLoRALoop:
             return asyncio.run(self._main(deployment))
 
     async def _main(self, deployment: Deployment) -> list[dict[str, Any]]:
-        self.trainer = make_trainer(self.plan, self.run_dir)
+        self.trainer = make_trainer(self.plan, self.run_dir, deployment.remote_ranks)
         try:
             return await self._serve(deployment)
         finally:

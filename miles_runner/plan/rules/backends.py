@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from miles_runner.config.schema import EngineConfig, MilesConfig
+from miles_runner.config.schema import EngineConfig, MilesConfig, SessionConfig
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 # Rule ids of the refusals of what this release has not built (each names the issue that builds it).
 NOT_BUILT = ("megatron-trainer-not-built", "full-weight-training-not-built", "fully-async-not-built",
-             "multi-node-ray-not-built", "train-only-adapter-not-built", "fsdp-trainer-on-gpus-not-built")  # fmt: skip
+             "multi-node-engine-not-built", "train-only-adapter-not-built",
+             "fsdp-trainer-on-gpus-not-built")  # fmt: skip
 
 # SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
 SGLANG_ONLY_ENGINE_SETTINGS = ("mem_fraction_static", "lora_backend", "enable_cuda_graph", "dp_attention",
@@ -77,14 +78,26 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
         )
 
 
-@rule("multi-node-ray-not-built")
-def multi_node_ray_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.executor.kind == "ray" and cfg.cluster.nodes > 1:
+@rule("multi-node-engine-not-built")
+def multi_node_engine_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.cluster.nodes > 1 and d.num_engines and cfg.engine.tp_size > d.slots_per_node:
         yield Finding(
-            ("executor.kind", "cluster.nodes"),
-            "executor=ray places every component on one node in this release; multi-node placement (and the "
-            "Slurm launcher that starts the nodes) is issue 12.",
-            "cluster.nodes=1",
+            ("engine.tp_size", "cluster.gpus_per_node"),
+            f"An engine of TP {cfg.engine.tp_size} spans nodes of {d.slots_per_node} slots: the Ray executor of "
+            "this release starts each engine on one node (node rank 0 of SGLang's --nnodes); starting the other "
+            "node ranks of a multi-node engine is not built.",
+            f"engine.tp_size={d.slots_per_node}",
+        )
+
+
+@rule("multi-node-session-host")
+def multi_node_session_host(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.cluster.nodes > 1 and cfg.session.version != "off" and cfg.session.host != SessionConfig.host:
+        yield Finding(
+            ("session.host", "cluster.nodes"),
+            "On a plan that spans nodes the session server binds its node's own address (node 0's, filled in when "
+            "the run starts) so that the other nodes reach it; session.host is the single-node bind address.",
+            f"session.host={SessionConfig.host}",
         )
 
 
