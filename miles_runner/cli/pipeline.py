@@ -104,8 +104,9 @@ def _run(plan: Plan, run_dir: Path, *, resume: bool, debug: bool) -> tuple[str, 
     with driver_log(run_dir) as log:
         try:
             run_plan(plan, run_dir, resume=resume)
-        except KeyboardInterrupt:
-            print(f"miles-run: stopped by Ctrl-C; every process it started was stopped.\nrun folder: {run_dir}",
+        except KeyboardInterrupt as stop:
+            cause = str(stop) or "Ctrl-C"  # recorded_run raises it for SIGTERM with the signal as its text
+            print(f"miles-run: stopped by {cause}; every process it started was stopped.\nrun folder: {run_dir}",
                   file=sys.stderr)
             return INTERRUPTED, EXIT_INTERRUPTED
         except Exception as error:

@@ -28,7 +28,7 @@ def stop_on_sigterm() -> None:
 
     def interrupt(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, interrupt)
 

@@ -12,7 +12,9 @@ shut down after the run) offers `miles_node_0`. Start-up:
 3. One node agent (`NodeAgentBody`, num_cpus=0, in a bundle of its node) per plan node reports its node's
    address; the plan's `{nodeK}` placeholders become those addresses. The driver (trainer rank 0) must be on
    node 0.
-4. Every agent starts its node's engines (the local executor's start-up, for that node), then node 0's agent
+4. Every agent starts its node's engines (the local executor's start-up, for that node: node rank 0 of each
+   engine placed there, and node ranks > 0 of SGLang engines wider than a node, which meet rank 0 at its node's
+   address, `--dist-init-addr`; all agents start together so that an engine's ranks can meet), then node 0's agent
    starts the router and the session server. Trainer ranks on node K > 0 are started by node K's agent
    (`AgentRanks`) and join rank 0 at node 0's address.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,7 +184,7 @@ def placement_bundles(plan: Plan) -> dict[str, list[dict[str, float]]]:
         return [{slot: 1, node_resource(node): 1} for node, _ in sorted(set(slots))]
 
     trainer = [(node, s) for node, s in plan.trainer.placements]
-    engines = [(node, s) for e in plan.engines for node in e.nodes[:1] for s in e.slot_ids]
+    engines = [slot for e in plan.engines for slot in e.placements()]  # every node rank's slots
     if plan.topology == "colocated":
         return {"trainer+engines": bundles(trainer + engines)}
     return {"trainer": bundles(trainer), "engines": bundles(engines)}
@@ -223,7 +226,12 @@ class RayExecutor(Executor):
             return
         address = self.plan.executor.ray_address or None
         own = {"num_cpus": max(self.plan.cluster.slots_per_node, 1), "resources": {node_resource(0): 1000}}
+        handler = signal.getsignal(signal.SIGTERM)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else own))
+        if threading.current_thread() is threading.main_thread():
+            # ray.init makes SIGTERM sys.exit() wherever the driver is (inside an asyncio task, say); the run's own
+            # handler (cli/recorded_run: stop as Ctrl-C does) decides what SIGTERM means.
+            signal.signal(signal.SIGTERM, handler)
         self.owns_ray = True
 
     def _check_nodes_offered(self) -> None:

@@ -138,6 +138,9 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(slurm_cluster, tmp_path
     assert "=== miles: attempt 1 of job" in log and "=== miles: attempt 2 of job" in log
     assert "resuming from its checkpoint after" in log
     assert "miles: SIGTERM (requeue, preemption or cancel)" in log  # the job script's trap ran
+    # The driver tore its servers down: stopped by its SIGTERM, or failed first by Ray's node going (the signal
+    # reaches the job's steps in no set order).
+    assert "every process it started was stopped" in log.split("=== miles: attempt 2")[0]
     raw_id = scontrol_show(job.job_id).split("JobId=")[1].split()[0]  # the task's own id, in its environment
     assert leftover_processes(raw_id) == [], "a process of the job outlived it"
     resumed_at = int(log.split("resuming from its checkpoint after ")[1].split()[0])
