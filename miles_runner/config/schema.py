@@ -175,6 +175,9 @@ class EngineConfig:
     ep_size: int = 1
     dp_attention: bool = False
     base_port: int = 30010
+    # An engine wider than a node: its node ranks meet at rank 0's node on dist_init_port + 10 * engine index
+    # (SGLang --dist-init-addr; with DP attention SGLang also takes the next 6 ports there for its sockets).
+    dist_init_port: int = 30200
     mem_fraction_static: float = 0.8
     lora_backend: str = "triton"
     max_lora_rank: int = 0  # 0: the largest adapter rank

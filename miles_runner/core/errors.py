@@ -46,6 +46,10 @@ class ComponentFailure(RuntimeError):
         super().__init__(f"{component}: {reason}")
         self.component, self.reason, self.log_path, self.log_tail = component, reason, log_path, log_tail
 
+    def __reduce__(self) -> tuple:
+        """Pickles whole (a node agent's failures cross Ray): the default rebuilds from args, one string."""
+        return type(self), (self.component, self.reason), self.__dict__
+
     def report(self) -> str:
         lines = [f"component: {self.component}", f"reason:    {self.reason}"]
         if self.log_path:

@@ -11,7 +11,9 @@ server where the plan puts them (`start_services`), with the nodes' own addresse
 
 An engine that dies mid-run is started again on the same port by `restart_dead_engines`, at most
 `executor.engine_restarts` times each (and registered with the router again); it comes back without adapters,
-which the driver notices from its weight version and pushes again.
+which the driver notices from its weight version and pushes again. An SGLang engine wider than a node is one
+launch per node rank (`EnginePlan.node_ranks`, `engine<i>-node-rank<R>`); a dead rank is that engine's death,
+named, and is not restarted (its ranks meet only at start-up).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from miles_runner.engine.router import ensure_worker, wait_for_workers
 from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
-from miles_runner.plan.model import EnginePlan, Launch, Plan, plan_on_nodes, server_launches
+from miles_runner.plan.model import EnginePlan, Launch, Plan, engine_rank_name, plan_on_nodes, server_launches
 from miles_runner.plan.model_shape import checkpoint_config, describe_mismatches, shape_mismatches
 from miles_runner.procs.launch import check_ports, launch_process
 from miles_runner.procs.ports import LOOPBACK, port_is_free
@@ -99,6 +101,8 @@ class LocalExecutor(Executor):
         self.startup_timeout_s = startup_timeout_s or plan.executor.health_timeout_s
         self.group = ProcessGroup()
         self.engines: dict[int, ManagedProcess] = {}  # by engine index, the current process of each of mine
+        self.ranks: dict[str, ManagedProcess] = {}  # node ranks > 0 of engines wider than a node, by name
+        self.engine_names = {e.name for e in plan.engines}
         self.restarts = [0] * len(plan.engines)
 
     def launches(self) -> list[tuple[str, Launch]]:
@@ -132,10 +136,18 @@ class LocalExecutor(Executor):
         timeout = startup_timeout_s or self.startup_timeout_s
         return launch_process(name, launch, self.run_dir / "logs", startup_timeout_s=timeout)
 
+    def engine_processes(self) -> dict[str, ManagedProcess]:
+        """This node's engine processes, by component name: node rank 0 of each engine placed here, and the node
+        ranks > 0 of engines wider than a node. An engine may take engine.startup_timeout_s to become healthy (it
+        loads the model), not the executor.health_timeout_s of the other components; a rank > 0 answers SGLang's
+        stand-in /health on its own port once its schedulers are up, so every rank is waited for the same way."""
+        timeout = {name: self.timeout_override or e.startup_timeout_s for e in self.plan.engines
+                   for name in (e.name, *(engine_rank_name(e.index, r.node_rank) for r in e.node_ranks))}  # fmt: skip
+        return {name: self.process(name, launch, timeout[name]) for name, launch in self.launches() if name in timeout}
+
     def engine_process(self, engine: EnginePlan) -> ManagedProcess:
-        """An engine may take engine.startup_timeout_s to become healthy (it loads the model), not the
-        executor.health_timeout_s of the other components."""
-        return self.process(f"engine{engine.index}", engine.launch, self.timeout_override or engine.startup_timeout_s)
+        """Node rank 0 of `engine`, started again on its port (see engine_processes for its timeout)."""
+        return self.process(engine.name, engine.launch, self.timeout_override or engine.startup_timeout_s)
 
     def start(self) -> Deployment:
         self.start_engines()
@@ -143,23 +155,25 @@ class LocalExecutor(Executor):
         return self.deployment()
 
     def start_engines(self) -> None:
-        """Check every port of this node's components, build the model if needed, and start this node's engines
-        together (their model loads overlap), each healthy before this returns."""
+        """Check every port of this node's components, build the model if needed, and start this node's engine
+        ranks together (their model loads overlap; the ranks of an engine wider than a node meet while loading),
+        each healthy before this returns."""
         self.check_ports()
         self.prepare_model()
-        engines = {e.index: self.engine_process(e) for e in self.plan.engines if f"engine{e.index}" in self.mine}
+        processes = self.engine_processes()
         try:
-            for engine in engines.values():
-                engine.start()
-            for engine in engines.values():
-                engine.wait_healthy()
-                self.group.adopt(engine)
+            for process in processes.values():
+                process.start()
+            for process in processes.values():
+                process.wait_healthy()
+                self.group.adopt(process)
         except BaseException:
-            for engine in engines.values():
-                engine.stop()
+            for process in processes.values():
+                process.stop()
             self.group.stop()
             raise
-        self.engines = engines
+        self.engines = {e.index: processes[e.name] for e in self.plan.engines if e.name in processes}
+        self.ranks = {name: process for name, process in processes.items() if name not in self.engine_names}
 
     def start_services(self) -> None:
         """The router and the session server, if on this node, once every engine (of every node) is healthy."""
@@ -195,10 +209,26 @@ class LocalExecutor(Executor):
         return [failure for process in self.group.processes if (failure := process.died())]
 
     def restart_dead_engines(self) -> list[int]:
+        """Restart each dead engine of mine in place. An engine wider than a node is refused instead: SGLang's
+        node ranks meet only at start-up, so one dead rank takes the engine down and all its ranks, on every
+        node, would have to start again together."""
+        for name, rank in self.ranks.items():
+            if not rank.alive:
+                raise self._multi_node_engine_lost(name, rank)
         restarted = [index for index, engine in self.engines.items() if not engine.alive]
         for index in restarted:
+            if self.plan.engines[index].node_ranks:
+                raise self._multi_node_engine_lost(f"engine{index}", self.engines[index])
             self._restart_engine(index)
         return restarted
+
+    def _multi_node_engine_lost(self, name: str, dead: ManagedProcess) -> EngineLostError:
+        return EngineLostError(
+            name, f"exited with code {dead.returncode}; it is a node rank of an SGLang engine that spans nodes "
+            "(--nnodes), which goes down with any of its ranks and is not restarted (all its ranks would have to "
+            "start again together). Fit each engine in one node (engine.tp_size <= cluster.gpus_per_node) to let "
+            "executor.engine_restarts restart it.", log_path=str(dead.log_path), log_tail=dead.log_tail(),
+        )  # fmt: skip
 
     def _restart_engine(self, index: int) -> None:
         dead, engine = self.engines[index], self.plan.engines[index]

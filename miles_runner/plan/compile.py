@@ -28,6 +28,7 @@ from miles_runner.plan.model import (
     Capabilities,
     ClusterPlan,
     EnginePlan,
+    EngineRank,
     Launch,
     MultiLoRAPlan,
     Parallelism,
@@ -41,6 +42,7 @@ from miles_runner.plan.model import (
     resolve_verify,
 )
 from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES
+from miles_runner.plan.slots import engine_dist_init_port, engine_layouts, engine_rank_port, trainer_slots
 
 LOOPBACK = "127.0.0.1"
 # Where the router and the session server run on a plan that spans nodes: beside the driver (trainer rank 0).
@@ -157,16 +159,6 @@ def build_optimizer(cfg: MilesConfig, d: Derived) -> OptimizerConfig:
     return dataclasses.replace(cfg.optimizer, use_distributed_optimizer=False) if d.multi_lora else cfg.optimizer
 
 
-def slot_list(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
-    """Every (node, slot) of the cluster, node-major: the trainer takes the first ones."""
-    return [(n, g) for n in range(cfg.cluster.nodes) for g in range(d.slots_per_node)]
-
-
-def trainer_slots(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
-    nodes = range(d.trainer_nodes)
-    return [(n, g) for n in nodes for g in range(d.trainer_gpus_per_node)]
-
-
 def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
     p = cfg.trainer.parallel
     return TrainerPlan(
@@ -176,20 +168,13 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
             p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format,
             p.recompute,
         ),
-        placements=[list(s) for s in trainer_slots(cfg, d)],
+        placements=[list(s) for s in trainer_slots(d)],
         offload_train=d.offload_train,
         offload_target=cfg.trainer.offload_target,
         launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
         calculate_per_token_loss=cfg.trainer.calculate_per_token_loss,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_gpu if cfg.trainer.use_dynamic_batch_size else 0,
     )
-
-
-def rollout_slots(cfg: MilesConfig, d: Derived) -> list[tuple[int, int]]:
-    if d.colocated:
-        return trainer_slots(cfg, d)
-    taken = set(trainer_slots(cfg, d))
-    return [s for s in slot_list(cfg, d) if s not in taken][: d.rollout_gpus]
 
 
 def host_on(cfg: MilesConfig, node: int) -> str:
@@ -199,19 +184,29 @@ def host_on(cfg: MilesConfig, node: int) -> str:
 
 
 def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
-    slots, tp, engines = rollout_slots(cfg, d), cfg.engine.tp_size, []
-    for i in range(d.num_engines):
-        mine = slots[i * tp : (i + 1) * tp]
-        nodes = sorted({n for n, _ in mine})
-        port = cfg.engine.base_port + i
-        ids = [g for n, g in mine if n == nodes[0]]
-        env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
-        host = host_on(cfg, nodes[0])
-        argv = render.engine_argv(cfg, d, host=host, port=port, nnodes=len(nodes))
-        launch = Launch(argv, host, port, env, "/health")
-        engines.append(EnginePlan(i, cfg.engine.kind, cfg.engine.build, nodes, ids, tp, cfg.engine.ep_size, launch,
-                                  cfg.engine.startup_timeout_s))
+    """One engine per tp_size rollout slots: one launch within a node; wider, one launch per node it spans."""
+    engines = []
+    for i, layout in enumerate(engine_layouts(cfg, d)):
+        nodes = list(layout)
+        launches = [engine_launch(cfg, d, i, nodes, layout[node], rank) for rank, node in enumerate(nodes)]
+        ranks = [EngineRank(r, nodes[r], layout[nodes[r]], launches[r]) for r in range(1, len(nodes))]
+        engines.append(EnginePlan(i, cfg.engine.kind, cfg.engine.build, nodes, layout[nodes[0]], cfg.engine.tp_size,
+                                  cfg.engine.ep_size, launches[0], cfg.engine.startup_timeout_s, ranks))  # fmt: skip
     return engines
+
+
+def engine_launch(cfg: MilesConfig, d: Derived, index: int, nodes: list[int], slot_ids: list[int], rank: int) -> Launch:
+    """Node rank `rank` of engine `index`, on nodes[rank], serving on its engine_rank_port (plan/slots.py). Across
+    nodes every rank runs SGLang's same command with its --node-rank, all meeting at rank 0's node on the engine's
+    dist-init port; a rank R > 0 serves its stand-in /health on its own node."""
+    node, port = nodes[rank], engine_rank_port(cfg, d, index, rank)
+    env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot_ids))}
+    node_rank = None
+    if len(nodes) > 1:
+        dist_init = f"{host_on(cfg, nodes[0])}:{engine_dist_init_port(cfg, index)}"
+        node_rank = render.NodeRank(len(nodes), rank, dist_init)
+    argv = render.engine_argv(cfg, d, host=host_on(cfg, node), port=port, node_rank=node_rank)
+    return Launch(argv, host_on(cfg, node), port, env, "/health")
 
 
 def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> RouterPlan | None:

@@ -112,6 +112,18 @@ class TrainerPlan:
 
 
 @dataclass(frozen=True)
+class EngineRank:
+    """Node rank > 0 of an engine wider than a node: the same SGLang command with `--node-rank R`, on its own
+    node, joining rank 0 at `--dist-init-addr`. It serves no API: SGLang gives it only a stand-in /health on its
+    own host and port once its schedulers are up (utils.common.launch_dummy_health_check_server)."""
+
+    node_rank: int
+    node: int
+    slot_ids: list[int]  # GPU ids on its node (CUDA_VISIBLE_DEVICES)
+    launch: Launch
+
+
+@dataclass(frozen=True)
 class EnginePlan:
     index: int
     kind: str
@@ -120,8 +132,27 @@ class EnginePlan:
     slot_ids: list[int]  # GPU ids on the first node (CUDA_VISIBLE_DEVICES)
     tp: int
     ep: int
-    launch: Launch
+    launch: Launch  # node rank 0: the HTTP server the router, the session server and the driver talk to
     startup_timeout_s: float = EngineConfig.startup_timeout_s  # how long it may take to become healthy
+    node_ranks: list[EngineRank] = field(default_factory=list)  # ranks 1.. on nodes[1:]; none within one node
+
+    @property
+    def name(self) -> str:
+        return f"engine{self.index}"
+
+    def on_nodes(self, addresses: Sequence[str]) -> EnginePlan:
+        """This engine with the nodes' own addresses in place of their placeholders, in every node rank."""
+        ranks = [dataclasses.replace(r, launch=r.launch.on_nodes(addresses)) for r in self.node_ranks]
+        return dataclasses.replace(self, launch=self.launch.on_nodes(addresses), node_ranks=ranks)
+
+    def placements(self) -> list[tuple[int, int]]:
+        """Every (node, slot) the engine runs on, all its node ranks."""
+        return [(self.nodes[0], s) for s in self.slot_ids] + [(r.node, s) for r in self.node_ranks for s in r.slot_ids]
+
+
+def engine_rank_name(index: int, node_rank: int) -> str:
+    """The component name of node rank > 0 of engine `index` (its log is logs/<name>.log)."""
+    return f"engine{index}-node-rank{node_rank}"
 
 
 @dataclass(frozen=True)
@@ -254,8 +285,10 @@ class Plan:
 
 
 def server_launches(plan: Plan) -> list[tuple[str, Launch]]:
-    """The servers an executor starts, by component name, in start order: engines, router, session server."""
-    named = [(f"engine{e.index}", e.launch) for e in plan.engines]
+    """The servers an executor starts, by component name, in start order: engines (node rank 0 of each, then the
+    other node ranks of those wider than a node), router, session server."""
+    named = [(e.name, e.launch) for e in plan.engines]
+    named += [(engine_rank_name(e.index, r.node_rank), r.launch) for e in plan.engines for r in e.node_ranks]
     if plan.router:
         named.append(("router", plan.router.launch))
     if plan.session:
@@ -269,7 +302,7 @@ def plan_on_nodes(plan: Plan, addresses: Sequence[str]) -> Plan:
     replace = dataclasses.replace
     return replace(
         plan,
-        engines=[replace(e, launch=e.launch.on_nodes(addresses)) for e in plan.engines],
+        engines=[e.on_nodes(addresses) for e in plan.engines],
         router=plan.router and replace(plan.router, launch=plan.router.launch.on_nodes(addresses)),
         session=plan.session and replace(plan.session, launch=plan.session.launch.on_nodes(addresses)),
         multi_lora=plan.multi_lora and replace(plan.multi_lora, launch=plan.multi_lora.launch.on_nodes(addresses)),

@@ -6,13 +6,26 @@ and ignores the GPU-only ones), so the plan differs between them only in the mod
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived, absolute_path
 from miles_runner.plan.model import Launch
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.embedded_engine"}
-def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: int) -> list[str]:
+
+
+class NodeRank(NamedTuple):
+    """Where one launch of an SGLang engine wider than a node stands: every node runs the same command with its
+    own --node-rank; all of them meet at rank 0's node, `dist_init_addr` (host:port)."""
+
+    nnodes: int
+    rank: int
+    dist_init_addr: str
+
+
+def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, node_rank: NodeRank | None = None) -> list[str]:
     e = cfg.engine
     argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
     argv += ["--served-model-name", cfg.model.name]  # what /v1/models and /model_info call the base model
@@ -32,8 +45,9 @@ def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, nnodes: i
             argv += ["--quantization", "fp8"]
         if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:  # spec: LoRA ∧ colocate ∧ flag
             argv.append("--enable-weights-cpu-backup")
-        if nnodes > 1:
-            argv += ["--nnodes", str(nnodes), "--node-rank", "0"]
+        if node_rank:
+            argv += ["--nnodes", str(node_rank.nnodes), "--node-rank", str(node_rank.rank),
+                     "--dist-init-addr", node_rank.dist_init_addr]  # fmt: skip
     else:  # the embedded engine serves as the plan's SGLang build (an SGLang engine is whichever is installed)
         argv += ["--engine-build", e.build]
     if d.lora_rollout_enabled:

@@ -6,7 +6,7 @@ import shlex
 
 from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.sglang_protocol import SGLANG_VERSION, STOCK
-from miles_runner.plan.model import Launch, Plan, node_host, server_launches
+from miles_runner.plan.model import Launch, Plan, engine_rank_name, node_host, server_launches
 
 
 def summarize(plan: Plan, plan_path: str) -> str:
@@ -46,10 +46,22 @@ def node_lines(plan: Plan) -> list[str]:
     on_node: list[list[str]] = [[] for _ in range(plan.cluster.nodes)]
     for rank, (node, _slot) in enumerate(plan.trainer.placements):
         on_node[node].append("driver (trainer rank 0)" if rank == 0 else f"trainer rank {rank}")
+    labels = engine_rank_labels(plan)
     for name, launch in server_launches(plan):
-        on_node[launch.node].append(name)
+        on_node[launch.node].append(labels.get(name, name))
     return [f"{', '.join(names) or 'nothing'}; address {node_host(k)}: the Ray node offering {node_resource(k)}"
             for k, names in enumerate(on_node)]  # fmt: skip
+
+
+def engine_rank_labels(plan: Plan) -> dict[str, str]:
+    """How a node names the node rank it runs of an engine wider than a node, by component name."""
+    labels = {}
+    for e in plan.engines:
+        if e.node_ranks:
+            labels[e.name] = f"{e.name} (node rank 0 of {len(e.nodes)})"
+            labels |= {engine_rank_name(e.index, r.node_rank): f"{e.name} (node rank {r.node_rank} of {len(e.nodes)})"
+                       for r in e.node_ranks}  # fmt: skip
+    return labels
 
 
 def trainer_line(plan: Plan) -> str:
@@ -165,7 +177,10 @@ def derived_line(plan: Plan) -> str:
 
 
 def command_lines(plan: Plan) -> list[str]:
-    named: list[tuple[str, Launch]] = [(f"engine {e.index}", e.launch) for e in plan.engines]
+    named: list[tuple[str, Launch]] = []
+    for e in plan.engines:
+        named.append((f"engine {e.index}" + (" rank 0" if e.node_ranks else ""), e.launch))
+        named += [(f"engine {e.index} rank {r.node_rank}", r.launch) for r in e.node_ranks]
     if plan.router:
         named.append(("router", plan.router.launch))
     if plan.session:

@@ -148,6 +148,7 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "engine.ep_size": (Refused("embedded-engine-is-one-process", "2"), Runs((f"{SGLANG_ARGS}::test_engine_parallelism_reaches_the_command_line",))),
     "engine.dp_attention": (Refused("embedded-engine-takes-no-sglang-gpu-settings", "true"), Runs(GPU_ENGINE)),
     "engine.base_port": (Runs(("tests/executors/test_ray_executor.py::test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_process",)),),
+    "engine.dist_init_port": (Runs(("tests/executors/test_multi_node_engine.py::test_each_node_agent_starts_its_rank_of_an_engine_wider_than_a_node_and_a_dead_rank_names_it",)),),
     "engine.mem_fraction_static": (Refused("embedded-engine-takes-no-sglang-gpu-settings", "0.5"), Runs(GPU_ENGINE)),
     "engine.lora_backend": (Refused("embedded-engine-takes-no-sglang-gpu-settings", "csgmv"), Runs(GPU_ENGINE)),
     "engine.max_lora_rank": (Runs((f"{DERIVED}::test_explicit_engine_max_lora_rank_is_kept",)),),

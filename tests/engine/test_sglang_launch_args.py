@@ -38,9 +38,45 @@ def test_the_reader_finds_sglangs_flags_and_nothing_else(sglang_flags):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_flag_of_a_recipes_sglang_engines_exists_in_the_pinned_release(recipe, sglang_flags):
     plan = compile_design(compose([f"+recipe={recipe}"]))
-    for engine in plan.engines:
-        if "sglang.launch_server" in engine.launch.argv:
-            assert set(flags_of(engine.launch.argv)) <= sglang_flags, engine.launch.argv
+    launches = [launch for e in plan.engines for launch in (e.launch, *(r.launch for r in e.node_ranks))]
+    for launch in launches:
+        if "sglang.launch_server" in launch.argv:
+            assert set(flags_of(launch.argv)) <= sglang_flags, launch.argv
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def but_place(argv: list[str]) -> list[str]:
+    """The command without what differs between an engine's node ranks: their own address, port and rank."""
+    placed = {argv.index(name) + 1 for name in ("--host", "--port", "--node-rank")}
+    return [arg for i, arg in enumerate(argv) if i not in placed]
+
+
+def test_an_engine_wider_than_a_node_runs_sglangs_command_once_per_node_with_its_node_rank(sglang_flags):
+    # glm52: 4 nodes x 8 GPUs, engines of TP 16: engine 0 on nodes 0-1, engine 1 on nodes 2-3.
+    plan = compile_design(compose(["+recipe=glm52_lora_agentic"]))
+    assert [(e.nodes, [r.node for r in e.node_ranks]) for e in plan.engines] == [([0, 1], [1]), ([2, 3], [3])]
+    for e in plan.engines:
+        launches = [e.launch, *(r.launch for r in e.node_ranks)]
+        assert [launch.node for launch in launches] == e.nodes  # rank R on the R-th node the engine spans
+        assert {flag(launch.argv, "--dist-init-addr") for launch in launches} == {f"{{node{e.nodes[0]}}}:"
+                                                                                 f"{30200 + 10 * e.index}"}
+        for rank, launch in enumerate(launches):
+            assert set(flags_of(launch.argv)) <= sglang_flags
+            assert (flag(launch.argv, "--nnodes"), flag(launch.argv, "--node-rank")) == ("2", str(rank))
+            assert flag(launch.argv, "--host") == launch.host == f"{{node{e.nodes[rank]}}}"
+            assert flag(launch.argv, "--port") == str(launch.port)
+            assert launch.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+            # SGLang checks tp_size % nnodes; every rank runs the same command but for its place
+            assert flag(launch.argv, "--tp-size") == "16"
+            assert but_place(launch.argv) == but_place(e.launch.argv)
+    ports = [launch.port for e in plan.engines for launch in (e.launch, *(r.launch for r in e.node_ranks))]
+    assert sorted(ports) == [30010, 30011, 30012, 30013]  # distinct even where nodes share an address
+    # Engines within a node are one launch with no --nnodes.
+    single = compile_design(compose(["+recipe=qwen3_30b_a3b_r3_session"]))
+    assert all(not e.node_ranks and "--nnodes" not in e.launch.argv for e in single.engines)
 
 
 def test_each_gpu_engine_setting_reaches_the_sglang_command_line(sglang_flags):

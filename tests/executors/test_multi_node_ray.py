@@ -58,8 +58,9 @@ def plan_of(*overrides: str) -> Plan:
 
 
 @contextmanager
-def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[object]:
-    """`nodes` Ray nodes on 127.0.0.1, node K offering miles_node_K; the driver (this process) joins node 0."""
+def simulated_cluster(nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0) -> Iterator[object]:
+    """`nodes` Ray nodes on 127.0.0.1, node K offering miles_node_K; the driver (this process) joins node 0.
+    `gpus_per_node` are Ray's logical GPUs only (what a GPU plan's placement groups reserve): there is no GPU."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -68,7 +69,8 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[object]:
     cluster = Cluster()
     try:
         for k in range(nodes):
-            node_args = {"num_cpus": cpus_per_node, "resources": {node_resource(k): 1000}, "temp_dir": temp_dir,
+            node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "resources": {node_resource(k): 1000},
+                         "temp_dir": temp_dir,
                          "node_ip_address": "127.0.0.1", "include_dashboard": False,
                          "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
                          "runtime_env_agent_port": free_port()}  # fmt: skip

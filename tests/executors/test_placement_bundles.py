@@ -22,3 +22,14 @@ def test_disaggregated_roles_get_their_own_bundles_on_the_nodes_the_plan_gives_t
     assert set(bundles) == {"trainer", "engines"}
     assert bundles["trainer"] == [{"GPU": 1, "miles_node_0": 1}] * 8
     assert bundles["engines"] == [{"GPU": 1, f"miles_node_{node}": 1} for node in (1, 2, 3) for _ in range(8)]
+
+
+def test_an_engine_wider_than_a_node_reserves_its_slots_on_every_node_it_spans():
+    # The trainer on nodes 0-1, one engine of TP 16 over nodes 2 and 3 (node rank 0 and 1).
+    plan = compile_design(compose(["+recipe=qwen3_30b_a3b_r3_session", "cluster=h200_4x8", "topology=disaggregated",
+                                   "topology.actor_num_nodes=2", "engine.tp_size=16",
+                                   "engine.build=miles_fork"]))  # fmt: skip
+    [engine] = plan.engines
+    assert (engine.nodes, [r.node for r in engine.node_ranks]) == ([2, 3], [3])
+    assert placement_bundles(plan)["engines"] == [{"GPU": 1, f"miles_node_{node}": 1} for node in (2, 3)
+                                                  for _ in range(8)]  # fmt: skip

@@ -42,6 +42,9 @@ TINY_MULTI = ("+recipe=tiny_multi_lora",)  # three adapters, disaggregated 1 + 1
 QWEN05 = ("+recipe=qwen25_05b_lora",)  # megatron + bridge, one GPU, sglang
 QWEN30 = ("+recipe=qwen3_30b_a3b_r3_session",)  # 8 GPUs colocated, TP 2, EP 8, engines TP 4
 GLM = ("+recipe=glm52_lora_agentic",)  # 4 x 8 H200, ray
+# Two CPU nodes of one slot each (ray), colocated: one embedded engine of TP 1 per node.
+TWO_CPU_NODES = (*TINY, "executor=ray", "cluster.nodes=2", "cluster.cpu_slots_per_node=1",
+                 "topology.actor_num_gpus_per_node=1")
 MATH = ("+recipe=multi_lora_math",)  # megatron multi-LoRA, 4 train + 4 rollout GPUs, TP 2 (DP 2)
 FULL_WEIGHTS = ("adapters=none", "lora_mode=none")
 CPU_DISAGG = ("topology=disaggregated", "topology.actor_num_gpus_per_node=1")  # 1 trainer + 1 engine slot
@@ -52,6 +55,11 @@ NATIVE_RAW = ("lora_mode=raw", "model.native_lora=true")
 # Disaggregated LoRA sync broadcasts the adapter: a route only the sglang-miles fork serves.
 QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1",
                  "engine.build=miles_fork")  # fmt: skip
+# A trainer on part of node 0, so that the engines start mid-node (8-GPU nodes).
+HALF_NODE_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=4", "trainer.parallel.ep=4",
+                     "topology.rollout_num_gpus=24")
+TWO_SLOT_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=2", "trainer.parallel.ep=2",
+                    "topology.rollout_num_gpus=8")  # engines of TP 4: 4 slots of node 0, then 2 + 2
 INTERVAL, STALE = "weight_sync.update_weights_interval", "rollout.max_weight_staleness"
 ESTIMATOR = "algorithm.advantage_estimator"
 # tiny_multi_lora's adapters, the first one replaced (a whole-list override: its items set only a few keys).
@@ -332,14 +340,21 @@ CASES = [
         ("trainer.parallel.ep=2",), ("trainer.parallel.ep=1",), "dense",
     ),
     RuleCase("engines-fit-rollout-gpus", QWEN30, ("engine.tp_size=3",), ("engine.tp_size=8",)),
+    # SGLang runs an engine over N nodes as TP / N ranks per node: each node must hold as many of its slots.
     RuleCase(
-        "engines-fit-rollout-gpus", QWEN30_DISAGG,  # 8 trainer GPUs, 24 rollout GPUs over three nodes
-        ("engine.tp_size=12",), ("engine.tp_size=8",), "whole-nodes",
+        "engine-split-evenly-over-nodes", QWEN30_DISAGG,  # 8 trainer GPUs, 24 rollout GPUs over three nodes
+        ("engine.tp_size=12",), ("engine.tp_size=8",), "whole-nodes",  # 8 + 4 slots
     ),
     RuleCase(
-        "engines-fit-rollout-gpus", (*QWEN30_DISAGG, "topology.rollout_num_gpus=12"),  # one and a half nodes
+        "engine-split-evenly-over-nodes", (*QWEN30_DISAGG, "topology.rollout_num_gpus=12"),  # one and a half nodes
         ("engine.tp_size=12",), ("engine.tp_size=4",), "part-node",
     ),
+    # Engines that start mid-node: TP 8 runs 4 + 4 slots (accepted), TP 6 would run 4 + 2.
+    RuleCase("engine-split-evenly-over-nodes", HALF_NODE_TRAINER, ("engine.tp_size=6",), ("engine.tp_size=8",),
+             "mid-node"),
+    # glm52's engines of TP 16 run 8 + 8 GPUs (the design plan); on 6 GPUs of each node one would run 6 + 6 + 4.
+    RuleCase("engine-split-evenly-over-nodes", GLM, ("topology.actor_num_gpus_per_node=6",),
+             ("topology.actor_num_gpus_per_node=8",), "glm52"),
     RuleCase(
         "cluster-holds-plan", TINY_MULTI, ("topology.rollout_num_gpus=2",), ("topology.rollout_num_gpus=1",)
     ),
@@ -376,6 +391,15 @@ CASES = [
     RuleCase(
         "ports-distinct", (*TINY, "router=sglang"), ("router.port=30001",), ("router.port=30000",), "router-session"
     ),
+    # glm52's engines of TP 16 have a port per node rank (30010..30013), and meet on engine.dist_init_port.
+    RuleCase("ports-distinct", GLM, ("session.port=30013",), ("session.port=30014",), "node-rank-ports"),
+    RuleCase("ports-distinct", GLM, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
+             "dist-init-port"),
+    # engine1 of TWO_SLOT_TRAINER spans nodes 0 and 1 (2 + 2 slots) though TP 4 fits a node: rank 1 on 30013.
+    RuleCase("ports-distinct", TWO_SLOT_TRAINER, ("session.port=30013",), ("session.port=30014",),
+             "straddling-engine"),
+    RuleCase("ports-distinct", TWO_SLOT_TRAINER, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
+             "straddling-engine-dist-init"),  # engine1 meets on 30011 (and 6 more), where engine1 serves
     # ---- settings one backend honours; what this release has not built ----
     RuleCase("megatron-trainer-not-built", QWEN05, (), ("trainer=fsdp", "lora_mode=peft")),
     RuleCase("full-weight-training-not-built", CPU, FULL_WEIGHTS, ()),
@@ -383,7 +407,7 @@ CASES = [
     RuleCase("fsdp-trainer-on-gpus-not-built", ("cluster=gpu_1x", "engine=sglang"), (),
              ("cluster=cpu", "engine=embedded")),
     RuleCase("train-only-adapter-not-built", CPU, ("adapters.train_only=true",), ("adapters.train_only=false",)),
-    RuleCase("multi-node-engine-not-built", GLM, ("engine.tp_size=16",), ("engine.tp_size=8",)),
+    RuleCase("embedded-engine-within-a-node", TWO_CPU_NODES, ("engine.tp_size=2",), ("engine.tp_size=1",)),
     RuleCase("multi-node-session-host", (*TINY, "executor=ray", "cluster.nodes=2"), ("session.host=0.0.0.0",),
              ("session.host=127.0.0.1",)),
     RuleCase(
@@ -584,3 +608,15 @@ def test_service_mode_needs_at_least_one_slot(problems):
 def test_adapter_needs_at_least_one_prompt(problems):
     found = problems([*TINY_MULTI, TINY_RUNS.format(first="{name: arith, rollout_batch_size: 0}")])
     assert "adapter-batch-shape" in rule_ids(found)
+
+
+# ---- engines wider than a node ----
+
+
+def test_only_an_embedded_engine_wider_than_a_node_is_refused(problems):
+    # glm52's SGLang engines span two nodes each: only its trainer is refused (not built), not its engines.
+    assert rule_ids(problems(GLM)) == {"megatron-trainer-not-built"}
+    sglang_wide = ["cluster=gpu_1x", "cluster.nodes=2", "engine=sglang", "engine.tp_size=2", "executor=ray"]
+    assert "embedded-engine-within-a-node" not in rule_ids(problems(sglang_wide))
+    refused = problem_of("embedded-engine-within-a-node", [*TWO_CPU_NODES, "engine.tp_size=2"], problems)
+    assert "embedded CPU engine is one process" in refused.reason

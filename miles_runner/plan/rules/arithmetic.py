@@ -6,9 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from miles_runner.config.schema import MilesConfig
+from miles_runner.config.schema import MilesConfig, lookup
 from miles_runner.plan.derive import Derived
-from miles_runner.plan.rules.base import Finding, rule
+from miles_runner.plan.rules.base import TOPOLOGY, Finding, rule
+from miles_runner.plan.slots import (
+    DIST_INIT_EXTRA_PORTS,
+    EngineLayout,
+    Slot,
+    engine_dist_init_port,
+    engine_layouts,
+    engine_rank_port,
+    rollout_slots,
+    split_into_engines,
+)
 
 
 def largest_divisor(n: int, at_most: int) -> int:
@@ -67,12 +77,51 @@ def engines_fit_rollout_gpus(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             if d.rollout_gpus
             else "topology.rollout_num_gpus=1",
         )
-    elif tp > d.slots_per_node and tp % d.slots_per_node:
-        yield Finding(
-            ("engine.tp_size", "cluster.gpus_per_node"),
-            f"An engine of TP {tp} must use whole nodes of {d.slots_per_node} GPUs.",
-            f"engine.tp_size={largest_divisor(d.rollout_gpus, d.slots_per_node)}",
-        )
+
+
+@rule("engine-split-evenly-over-nodes")
+def engine_split_evenly_over_nodes(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """SGLang runs an engine over N nodes (--nnodes N) as tp_size / N ranks on each node, on that node's first
+    tp_size / N visible GPUs: an engine with more slots on one node than another would fail its tp_size % nnodes
+    check or leave a GPU it was given idle while another node's rank lacks one."""
+    tp, slots = cfg.engine.tp_size, rollout_slots(cfg, d)
+    for index, layout in enumerate(engine_layouts(cfg, d)):
+        if sum(map(len, layout.values())) == tp and not split_evenly(layout):  # a short engine: cluster-holds-plan
+            placement = () if d.colocated else ("topology.rollout_num_gpus",)  # colocated: the trainer's slots
+            yield Finding(
+                ("engine.tp_size", TOPOLOGY, "topology.actor_num_gpus_per_node", *placement),
+                f"engine{index} (TP {tp}) would run on {describe_layout(layout)}, but SGLang places an engine's "
+                f"ranks evenly over its nodes (--nnodes {len(layout)}: {ranks_per_node(tp, len(layout))}), so each "
+                f"node of an engine must hold as many of its slots. {whole_node_hint(cfg, d)}".rstrip(),
+                f"engine.tp_size={even_tp_size(slots, tp)}",
+            )
+            return  # one finding: the fix re-lays every engine
+
+
+def split_evenly(layout: EngineLayout) -> bool:
+    return len({len(ids) for ids in layout.values()}) <= 1
+
+
+def ranks_per_node(tp: int, nodes: int) -> str:
+    return f"{tp // nodes} per node, on each node's first visible GPUs" if tp % nodes == 0 else f"TP {tp} won't divide"
+
+
+def describe_layout(layout: EngineLayout) -> str:
+    return " + ".join(f"{len(ids)} slots of node {node} ({','.join(map(str, ids))})" for node, ids in layout.items())
+
+
+def even_tp_size(slots: list[Slot], tp: int) -> int:
+    """The largest engine size below tp that makes whole engines of these slots, each split evenly (1 always)."""
+    return next(t for t in range(tp - 1, 0, -1) if len(slots) % t == 0
+                and all(map(split_evenly, split_into_engines(slots, t, len(slots) // t))))  # fmt: skip
+
+
+def whole_node_hint(cfg: MilesConfig, d: Derived) -> str:
+    """The other way out: engines that start on a node boundary, because the trainer takes whole nodes."""
+    if d.colocated or d.trainer_gpus_per_node % d.slots_per_node == 0:
+        return ""
+    return (f"A trainer on whole nodes (topology.actor_num_gpus_per_node={d.slots_per_node}) would also start the "
+            "engines on a node boundary.")
 
 
 @rule("cluster-holds-plan")
@@ -162,19 +211,26 @@ def fitting_global_batch(samples: int, dp: int) -> int:
 
 @rule("ports-distinct")
 def ports_distinct(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    first, last = cfg.engine.base_port, cfg.engine.base_port + d.num_engines - 1
-    named = {
+    """Every port the plan binds, counted as compile_plan numbers them: each node rank of each engine, the
+    rendezvous ports of the engines that span nodes, and the named services."""
+    layouts = engine_layouts(cfg, d)
+    rank_ports = [engine_rank_port(cfg, d, i, r) for i, layout in enumerate(layouts) for r in range(len(layout))]
+    spanning = [i for i, layout in enumerate(layouts) if len(layout) > 1]
+    dist_init = [engine_dist_init_port(cfg, i) + k for i in spanning for k in range(DIST_INIT_EXTRA_PORTS + 1)]
+    services = {
         "router.port": cfg.router.port if cfg.router.kind != "none" else None,
         "router.metrics_port": cfg.router.metrics_port if cfg.router.kind != "none" else None,
         "session.port": cfg.session.port if cfg.session.version != "off" else None,
         "adapters.api_port": cfg.adapters.api_port if d.multi_lora else None,
     }
+    claims = [("engine.base_port", rank_ports)]
+    claims += [(key, [port]) for key, port in services.items() if port is not None]
+    claims.append(("engine.dist_init_port", dist_init))  # where node ranks meet (and SGLang's next 6 ports)
+    engines = f"engine node ranks use {min(rank_ports)}..{max(rank_ports)}" if rank_ports else "no engine ports"
     seen: dict[int, str] = {}
-    for key, port in named.items():
-        if port is None:
-            continue
-        other = "engine.base_port" if first <= port <= last else seen.get(port)
-        if other:
-            reason = f"Port {port} is used twice (engines use {first}..{last})."
-            yield Finding((key, other), reason, f"{key}={port + 100}")
-        seen[port] = key
+    for key, ports in claims:
+        clashes = dict.fromkeys(seen[p] for p in ports if p in seen)
+        for other in clashes:
+            port = next(p for p in ports if seen.get(p) == other)
+            yield Finding((key, other), f"Port {port} is used twice ({engines}).", f"{key}={lookup(cfg, key) + 100}")
+        seen.update({p: key for p in ports if p not in seen})

@@ -16,7 +16,7 @@ from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, 
 
 # Rule ids of the refusals of what this release has not built (each names the issue that builds it).
 NOT_BUILT = ("megatron-trainer-not-built", "full-weight-training-not-built", "fully-async-not-built",
-             "multi-node-engine-not-built", "train-only-adapter-not-built",
+             "train-only-adapter-not-built",
              "fsdp-trainer-on-gpus-not-built")  # fmt: skip
 
 # SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
@@ -78,14 +78,15 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
         )
 
 
-@rule("multi-node-engine-not-built")
-def multi_node_engine_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.cluster.nodes > 1 and d.num_engines and cfg.engine.tp_size > d.slots_per_node:
+@rule("embedded-engine-within-a-node")
+def embedded_engine_within_a_node(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """An SGLang engine wider than a node runs one node rank per node (--nnodes); the embedded one cannot."""
+    wider = cfg.cluster.nodes > 1 and d.num_engines and cfg.engine.tp_size > d.slots_per_node
+    if cfg.engine.kind == "embedded" and wider:
         yield Finding(
-            ("engine.tp_size", "cluster.gpus_per_node"),
-            f"An engine of TP {cfg.engine.tp_size} spans nodes of {d.slots_per_node} slots: the Ray executor of "
-            "this release starts each engine on one node (node rank 0 of SGLang's --nnodes); starting the other "
-            "node ranks of a multi-node engine is not built.",
+            ("engine.kind", "engine.tp_size", "cluster.nodes"),
+            f"An engine of TP {cfg.engine.tp_size} spans nodes of {d.slots_per_node} slots, but the embedded CPU "
+            "engine is one process on one node; only SGLang runs an engine over several nodes (--nnodes).",
             f"engine.tp_size={d.slots_per_node}",
         )
 
