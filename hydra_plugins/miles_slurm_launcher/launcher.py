@@ -13,12 +13,12 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from hydra_plugins.miles_slurm_launcher.config import MilesSlurmLauncherConf  # noqa: F401  (registers the entry)
 from miles_runner.cli.pipeline import plan_and_record
 from miles_runner.cli.sweep_summary import render_summary, summarize_sweep
-from miles_runner.config.compose import from_composed, job_tree
+from miles_runner.config.compose import from_hydra_job
 from miles_runner.core.errors import PlanError
 from miles_runner.slurm.contradictions import executor_problems, settings_problems, with_executor
 from miles_runner.slurm.jobs import JobState, format_states, wait_for_jobs
@@ -67,8 +67,7 @@ class MilesSlurmLauncher(Launcher):
         hc = sweep_config.hydra
         job_dir = Path(str(hc.sweep.dir)) / str(hc.sweep.subdir)
         job_dir.mkdir(parents=True, exist_ok=True)
-        choices = {k: v for k, v in OmegaConf.to_container(hc.runtime.choices).items() if not k.startswith("hydra/")}
-        composed = from_composed(job_tree(sweep_config), choices, overrides, list(hc.searchpath))
+        composed = from_hydra_job(sweep_config, hc, overrides)
         plan = plan_and_record(composed, job_dir, overrides)
         if problems := settings_problems(plan, self.settings):
             raise PlanError(problems)

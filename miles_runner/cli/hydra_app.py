@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from miles_runner.cli.pipeline import EXIT_INTERRUPTED, execute, plan_and_record
 from miles_runner.cli.sweep_summary import render_summary, summarize_sweep
-from miles_runner.config.compose import CONF_DIR, from_composed, job_tree, register_base
+from miles_runner.config.compose import CONF_DIR, from_hydra_job, register_base
 
 _PLAN_ONLY = False
 _DEBUG = False
@@ -26,8 +26,7 @@ _SWEEP_DIR: Path | None = None  # set by the first job that runs in this process
 def hydra_job(cfg) -> int:
     global _SWEEP_DIR
     hc = HydraConfig.get()
-    choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
-    composed = from_composed(job_tree(cfg), choices, list(hc.overrides.task), list(hc.searchpath))
+    composed = from_hydra_job(cfg, hc, list(hc.overrides.task))
     run_dir = Path(hc.runtime.output_dir)
     plan = plan_and_record(composed, run_dir, list(hc.overrides.task))
     if _PLAN_ONLY:

@@ -71,8 +71,7 @@ def compose(overrides: list[str]) -> ComposedConfig:
         raise PlanError([composition_problem(str(exc), config_sources(searchpath))]) from None
     if problems := composed_setting_problems(cfg, overrides):
         raise PlanError(problems)
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra/")}
-    return from_composed(job_tree(cfg), choices, overrides, list(cfg.hydra.searchpath), user_run_dir(cfg))
+    return from_hydra_job(cfg, cfg.hydra, overrides, user_run_dir(cfg))
 
 
 def job_tree(cfg: Any) -> dict[str, Any]:
@@ -81,6 +80,13 @@ def job_tree(cfg: Any) -> dict[str, Any]:
         cfg = cfg.copy()
         cfg.pop("hydra", None)
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def from_hydra_job(cfg: Any, hc: Any, overrides: Sequence[str], run_dir: str = "") -> ComposedConfig:
+    """A composed config (compose()'s, a @hydra.main job's `cfg`, or a launcher's sweep config) and its `hydra`
+    node, validated against the schema. Hydra's own group choices (hydra/launcher, ...) are not ours."""
+    choices = {k: v for k, v in OmegaConf.to_container(hc.runtime.choices).items() if not k.startswith("hydra/")}
+    return from_composed(job_tree(cfg), choices, list(overrides), list(hc.searchpath), run_dir)
 
 
 def from_composed(
