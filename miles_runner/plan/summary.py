@@ -64,16 +64,32 @@ def engine_rank_labels(plan: Plan) -> dict[str, str]:
     return labels
 
 
+# What trainer=megatron builds for each lora_mode, and how it lays the samples of a micro-batch out.
+MEGATRON_LORA = {"raw": "megatron-core, raw LoRA on megatron linears",
+                 "bridge": "megatron-core + Megatron-Bridge PEFT LoRA"}  # fmt: skip
+QKV_FORMATS = {"thd": "thd packs samples", "bshd": "bshd pads rows"}
+
+
 def trainer_line(plan: Plan) -> str:
     t, p = plan.trainer, plan.trainer.parallel
     ranks = f"{p.world_size} rank{'s' if p.world_size != 1 else ''}"
     line = f"{t.backend}, {ranks}, TP {p.tp}, EP {p.ep}, PP {p.pp}, CP {p.cp}, DP {p.dp}"
+    if t.backend == "megatron":
+        line += f", {megatron_line(plan)}"
     if plan.adapters and not plan.multi_lora:
         a = plan.adapters[0]
         line += f", LoRA r{a.rank} a{a.alpha:g} via {t.lora_mode} on [{', '.join(a.target_modules)}]"
     elif plan.multi_lora:
         line += f", multi-LoRA via {t.lora_mode}"
     return line + (", offload " + t.offload_target if t.offload_train else "")
+
+
+def megatron_line(plan: Plan) -> str:
+    """What the Megatron trainer runs: its LoRA path, its qkv format, and sequence parallelism, which it turns on
+    whenever TP > 1 (trainer/megatron/parallel.Layout.from_plan)."""
+    t, p = plan.trainer, plan.trainer.parallel
+    parts = [MEGATRON_LORA.get(t.lora_mode, "megatron-core"), QKV_FORMATS[p.qkv_format]]
+    return ", ".join(parts + (["SP"] if p.tp > 1 else []))
 
 
 def algorithm_line(plan: Plan) -> str:

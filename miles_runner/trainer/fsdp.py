@@ -45,7 +45,7 @@ from miles_runner.trainer.logprobs import (
 )
 from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
-from miles_runner.trainer.micro_batches import cut_columns, plan_micro_batches, row_lengths
+from miles_runner.trainer.micro_batches import agreed_micro_batches, cut_columns, row_lengths
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer, loss_config
 from miles_runner.trainer.routing_replay import check_routed_experts
 
@@ -124,17 +124,11 @@ class FSDPTrainer:
         return list(items[self.rank :: self.world_size])
 
     def _micro_batches(self, batch: TokenBatch, rows: list[int]) -> list[list[int]]:
-        """Positions in `rows` per micro-batch; under a token budget every rank runs as many as the rank that
-        needs the most (FSDP's collectives pair up forward by forward)."""
+        """Positions in `rows` per micro-batch, as many on every rank (FSDP's collectives pair up forward by
+        forward)."""
         every_row = row_lengths(batch)
-        lengths = [every_row[r] for r in rows]
-        budget = self.settings.max_tokens_per_micro_batch
-        split = plan_micro_batches(lengths, size=self.settings.micro_batch_size, max_tokens=budget)
-        if budget and self.world_size > 1:
-            count = torch.tensor(len(split))
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            split = plan_micro_batches(lengths, size=0, max_tokens=budget, count=int(count))
-        return split
+        return agreed_micro_batches([every_row[r] for r in rows], size=self.settings.micro_batch_size,
+                                    max_tokens=self.settings.max_tokens_per_micro_batch, world_size=self.world_size)
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:

@@ -86,10 +86,12 @@ def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0, with_
         output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     logits = output.logits[:, :-1].float()
     log_softmax = (logits / temperature).log_softmax(dim=-1)
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    targets = batch.input_ids[:, 1:].unsqueeze(-1).to(logits.device)
     log_probs = log_softmax.gather(-1, targets).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1) if with_entropy else None
-    return log_probs, entropy
+    # A model on a GPU: the loss works on the batch's (host) tensors; only [B, L-1] values come back.
+    home = batch.input_ids.device
+    return log_probs.to(home), None if entropy is None else entropy.to(home)
 
 
 @torch.no_grad()
@@ -97,7 +99,7 @@ def sequence_log_probs(model, token_ids: Sequence[int]) -> list[float]:
     """The raw model's (temperature 1.0) logprob of each token of one sequence after its first: the push probe."""
     ids = torch.tensor([list(token_ids)])
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1].float()
-    return logits.log_softmax(-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+    return logits.log_softmax(-1).gather(-1, ids[0, 1:].unsqueeze(-1).to(logits.device)).squeeze(-1).tolist()
 
 
 def response_values(values: Tensor, samples: Sequence[TrainingSample]) -> list[list[float]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from miles_runner.trainer.logprobs import TokenBatch
@@ -29,6 +31,18 @@ def plan_micro_batches(lengths: list[int], *, size: int, max_tokens: int = 0, co
         rows = bins.pop(fullest)
         bins[fullest:fullest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
     return bins
+
+
+def agreed_micro_batches(lengths: list[int], *, size: int, max_tokens: int = 0, world_size: int = 1) -> list[list[int]]:
+    """`plan_micro_batches` on a rank whose peers must run as many forwards (every rank's collectives pair up
+    forward by forward): under a token budget every rank splits into as many bins as the rank that needs the
+    most. Collective when `world_size` > 1 and a budget is set."""
+    split = plan_micro_batches(lengths, size=size, max_tokens=max_tokens)
+    if max_tokens and world_size > 1:
+        count = torch.tensor(len(split))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        split = plan_micro_batches(lengths, size=0, max_tokens=max_tokens, count=int(count))
+    return split
 
 
 def first_fit(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -50,9 +50,14 @@ REPLAYED = frozenset({
 
 
 def build_trainer(plan: Plan) -> Any:
-    """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, else the FSDP trainer."""
+    """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, the Megatron trainer for
+    trainer=megatron, else the FSDP trainer."""
     if plan.capabilities.multi_lora:
         return MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
+    if plan.trainer.backend == "megatron":
+        from miles_runner.trainer.megatron.trainer import build_megatron_trainer  # megatron imports take seconds
+
+        return build_megatron_trainer(plan)
     return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
 
 

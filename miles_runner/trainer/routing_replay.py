@@ -120,7 +120,10 @@ def replaying(model: torch.nn.Module, routes: Tensor | None, stats: ReplayStats 
     ``input_ids`` ``[B, L]``); a no-op for None. Hold it through the backward too when layers are recomputed
     there (activation checkpointing), so the recompute routes as the forward did; a replay of the same routes
     inside it is a no-op. ``stats`` adds the replayed tokens and those the trainer would have routed elsewhere."""
-    return nullcontext() if routes is None else _replaying(model, routes, stats)
+    if routes is None:
+        return nullcontext()
+    own = getattr(model, "replay_routing", None)  # a model that routes its own way (the Megatron trainer's)
+    return own(routes, stats) if own is not None else _replaying(model, routes, stats)
 
 
 @contextmanager

@@ -15,6 +15,8 @@ TINY = ("+recipe=tiny_lora_agentic",)  # session v1, in_place, colocated, one ad
 TINY_MULTI = ("+recipe=tiny_multi_lora",)  # three adapters, disaggregated
 GPU = ("cluster=gpu_1x", "engine=sglang")  # one 80 GB GPU, FSDP trainer, a real SGLang engine
 GPU_DISAGG = ("cluster=h100_1x8", "engine=sglang", "topology=disaggregated", "topology.actor_num_gpus_per_node=4")
+MEGATRON_CPU = ("trainer=megatron", "lora_mode=raw")  # the Megatron trainer, raw LoRA, on the default CPU shape
+QWEN05 = ("+recipe=qwen25_05b_lora",)  # the Megatron trainer with Megatron-Bridge LoRA on one GPU
 
 DRIVER = "tests/loops/test_driver.py"
 SGLANG_ARGS = "tests/engine/test_sglang_launch_args.py"
@@ -24,6 +26,7 @@ OPTIONS = "tests/trainer/test_trainer_options.py"
 WEIGHT_SYNC = "tests/loops/test_weight_sync.py"
 LOSS = "tests/trainer/test_loss.py"
 DERIVED = "tests/plan/test_derived.py"
+FROM_PLAN = "tests/trainer/megatron/test_from_plan.py::test_trainer_backend_picks_the_trainer_the_plan_runs"
 MULTI_CONFIG = "tests/multi_lora/test_config.py"
 
 FIELDS: dict[str, tuple[Evidence, ...]] = {
@@ -60,10 +63,12 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "topology.offload_train": (
         Refused("cpu-cluster-runs-no-gpu-components", "true"),
         Refused("offload-needs-megatron", "true", GPU),
+        Refused("megatron-offload-not-built", "true", QWEN05),
     ),
     "topology.offload_rollout": (
         Refused("cpu-cluster-runs-no-gpu-components", "true"),
         Refused("offload-needs-megatron", "true", GPU),
+        Refused("megatron-offload-not-built", "true", QWEN05),
     ),
     # ---- model: a description of the checkpoint, checked against it ----
     "model.name": (
@@ -71,10 +76,17 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Refused("served-model-name-has-no-colon", "org:tiny"),
     ),
     "model.path": (Runs((f"{DRIVER}::test_final_adapter_is_served_by_the_engine_from_lora_paths",)),),
-    "model.family": (Refused("model-matches-checkpoint", "qwen2"),),
+    "model.family": (
+        Refused("model-matches-checkpoint", "qwen2"),
+        Refused("raw-lora-needs-converter", "llama", (*QWEN05, "lora_mode=raw")),
+        Refused("bridge-supports-model", "phi3", QWEN05),
+    ),
     "model.num_layers": (Refused("model-matches-checkpoint", "4"),),
     "model.hidden_size": (Refused("model-matches-checkpoint", "128"),),
-    "model.num_attention_heads": (Refused("model-matches-checkpoint", "8"),),
+    "model.num_attention_heads": (
+        Refused("model-matches-checkpoint", "8"),
+        Refused("tensor-parallel-divides-heads", "3", (*MEGATRON_CPU, "trainer.parallel.tp=2")),
+    ),
     "model.vocab_size": (Refused("model-matches-checkpoint", "1000"),),
     "model.num_experts": (Refused("model-matches-checkpoint", "4"),),
     "model.moe_topk": (Refused("model-matches-checkpoint", "4"),),
@@ -82,20 +94,38 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "model.kv_lora_rank": (Refused("model-matches-checkpoint", "16"),),
     "model.q_lora_rank": (Refused("model-matches-checkpoint", "16"),),
     "model.has_dsa_indexer": (Refused("model-matches-checkpoint", "true"),),
-    "model.native_lora": (Refused("megatron-lora-layouts-need-megatron", "true"),),
+    "model.native_lora": (
+        Refused("megatron-lora-layouts-need-megatron", "true"),
+        Refused("native-lora-model-not-supported", "true", MEGATRON_CPU),
+    ),
     "model.max_context_len": (
         Refused("model-matches-checkpoint", "4096"),
         Runs(("tests/executors/test_plan_engines.py::test_the_engine_serves_with_the_plans_context_length", "tests/executors/test_plan_engines.py::test_a_request_beyond_the_context_length_is_refused_with_400")),
     ),
     # ---- trainer ----
-    "trainer.backend": (Refused("megatron-trainer-not-built", "megatron"),),
-    "trainer.parallel.tp": (Refused("fsdp-has-no-model-parallelism", "2"),),
-    "trainer.parallel.pp": (Refused("fsdp-has-no-model-parallelism", "2"),),
-    "trainer.parallel.cp": (Refused("fsdp-has-no-model-parallelism", "2"),),
-    "trainer.parallel.ep": (Refused("fsdp-has-no-model-parallelism", "2"),),
-    "trainer.parallel.etp": (Refused("fsdp-has-no-model-parallelism", "2"),),
+    "trainer.backend": (Runs((FROM_PLAN,)), Refused("lora-mode-matches-trainer", "megatron")),
+    "trainer.parallel.tp": (
+        Refused("fsdp-has-no-model-parallelism", "2"),
+        Refused("tensor-parallel-divides-heads", "3", MEGATRON_CPU),
+    ),
+    "trainer.parallel.pp": (
+        Refused("fsdp-has-no-model-parallelism", "2"),
+        Refused("megatron-parallelism-not-built", "2", MEGATRON_CPU),
+    ),
+    "trainer.parallel.cp": (
+        Refused("fsdp-has-no-model-parallelism", "2"),
+        Refused("megatron-parallelism-not-built", "2", MEGATRON_CPU),
+    ),
+    "trainer.parallel.ep": (
+        Refused("fsdp-has-no-model-parallelism", "2"),
+        Refused("bridge-expert-lora-needs-ep1", "2", (*MEGATRON_CPU, "lora_mode=bridge", "adapters.target_modules=[all-linear]")),
+    ),
+    "trainer.parallel.etp": (
+        Refused("fsdp-has-no-model-parallelism", "2"),
+        Refused("megatron-parallelism-not-built", "2", MEGATRON_CPU),
+    ),
     "trainer.parallel.micro_batch_size": (Runs((f"{FSDP}::test_micro_batching_does_not_change_the_update",)),),
-    "trainer.parallel.qkv_format": (Refused("fsdp-pads-rows", "thd"),),
+    "trainer.parallel.qkv_format": (Runs((FROM_PLAN,)), Refused("fsdp-pads-rows", "thd")),
     "trainer.parallel.recompute": (Runs((f"{OPTIONS}::test_recompute_replays_each_layer_in_backward_and_leaves_the_update_unchanged",)),),
     "trainer.offload_target": (Refused("disk-offload-needs-megatron", "disk"),),
     "trainer.calculate_per_token_loss": (Runs((f"{OPTIONS}::test_per_token_loss_weighs_each_sample_by_its_trained_tokens",)),),
@@ -115,15 +145,24 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "adapters.rank": (Runs((f"{FSDP}::test_adapter_config_matches_the_plan",)),),
     "adapters.alpha": (Runs((f"{FSDP}::test_adapter_config_matches_the_plan",)),),
     "adapters.dropout": (Runs(("tests/trainer/test_plan_settings.py::test_adapters_dropout_is_the_lora_dropout_of_the_trained_and_exported_adapter",)),),
-    "adapters.lora_type": (Refused("megatron-lora-layouts-need-megatron", "canonical_lora"),),
-    "adapters.target_modules": (Runs((f"{FSDP}::test_adapter_config_matches_the_plan",)),),
+    "adapters.lora_type": (
+        Refused("megatron-lora-layouts-need-megatron", "canonical_lora"),
+        Refused("megatron-lora-layout-not-built", "canonical_lora", MEGATRON_CPU),
+    ),
+    "adapters.target_modules": (
+        Runs((f"{FSDP}::test_adapter_config_matches_the_plan",)),
+        Refused("megatron-lora-fused-targets", "[q_proj]", MEGATRON_CPU),
+    ),
     "adapters.exclude_modules": (Runs((f"{DERIVED}::test_exclude_modules_removes_expanded_names",)),),
     "adapters.train_only": (Refused("train-only-adapter-not-built", "true"),),
     "adapters.base_cpu_backup": (
         Refused("embedded-engine-takes-no-sglang-gpu-settings", "true"),
         Refused("cpu-backup-needs-colocated-lora-rollout", "true", GPU_DISAGG),
     ),
-    "adapters.experts_shared_outer": (Refused("megatron-lora-layouts-need-megatron", "true"),),
+    "adapters.experts_shared_outer": (
+        Refused("megatron-lora-layouts-need-megatron", "true"),
+        Refused("megatron-lora-layout-not-built", "true", MEGATRON_CPU),
+    ),
     "adapters.path": (
         Runs((f"{FSDP}::test_a_trainer_starts_from_the_saved_adapter_of_adapters_path",
               f"{DRIVER}::test_final_adapter_is_served_by_the_engine_from_lora_paths",
@@ -244,7 +283,10 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "optimizer.adam_beta2": (Runs(("tests/trainer/test_plan_settings.py::test_the_fsdp_optimizer_takes_the_plans_hyperparameters", "tests/trainer/test_plan_settings.py::test_each_adapter_slots_optimizer_takes_the_plans_hyperparameters")),),
     "optimizer.clip_grad": (Runs(("tests/trainer/test_plan_settings.py::test_the_fsdp_step_is_clipped_at_optimizer_clip_grad", "tests/trainer/test_plan_settings.py::test_an_adapter_slots_step_is_clipped_at_optimizer_clip_grad")),),
     "optimizer.use_distributed_optimizer": (Refused("fsdp-optimizer-is-distributed", "false"),),
-    "optimizer.cpu_offload": (Refused("optimizer-cpu-offload-needs-megatron", "true"),),
+    "optimizer.cpu_offload": (
+        Refused("optimizer-cpu-offload-needs-megatron", "true"),
+        Refused("megatron-offload-not-built", "true", MEGATRON_CPU),
+    ),
     # ---- algorithm ----
     "algorithm.advantage_estimator": (
         Runs(("tests/trainer/test_advantages.py::test_reinforce_plus_plus_baseline_subtracts_the_group_mean_and_the_kl_penalty_then_whitens",

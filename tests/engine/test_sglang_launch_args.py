@@ -1,9 +1,9 @@
 """Every flag a plan renders for a real SGLang engine is one that the pinned `sglang.launch_server` defines, and
 each engine.* GPU setting reaches that command line (the embedded engine refuses them: see the plan rules).
 
-GPU plans are compiled as designs: this release refuses them until a trainer that trains on GPUs is built
-(fsdp-trainer-on-gpus-not-built, megatron-trainer-not-built), and their engine command lines are the ones a
-GPU release will start."""
+GPU plans are compiled as designs: this release refuses some of them for what it has not built (the FSDP trainer
+on GPUs: fsdp-trainer-on-gpus-not-built; the Megatron trainer's offload, multi-LoRA, PP/CP/ETP and LoRA layouts:
+megatron-*-not-built), and a design's engine command lines are the ones such a plan starts once they are built."""
 
 import pytest
 

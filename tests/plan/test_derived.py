@@ -19,6 +19,9 @@ GLM = ("+recipe=glm52_lora_agentic",)  # MLA with q_lora_rank, retract
 MATH = ("+recipe=multi_lora_math",)  # multi-LoRA on GPUs, disaggregated
 R3_ON = (*TINY, "rollout.routing_replay=true")
 ALL_LINEAR = "adapters.target_modules=[all-linear]"
+# all-linear on glm52 targets its experts: Megatron-Bridge exports expert LoRA only with EP 1
+# (bridge-expert-lora-needs-ep1).
+GLM_ALL_LINEAR = (*GLM, ALL_LINEAR, "trainer.parallel.ep=1")
 SLOTS = ["__miles_slot_0", "__miles_slot_1", "__miles_slot_2", "__miles_slot_3"]
 
 
@@ -65,10 +68,13 @@ def test_addition_r3_in_recipes(recipe, expected, plan):
 
 
 # ---- offload: colocated roles on GPUs take turns, so both offload ----
+# The design plans below leave out megatron-offload-not-built (this release runs the trainer resident), and the
+# qwen25 recipe sets both false: null hands the choice back to the derivation.
+DERIVED_OFFLOAD = ("topology.offload_train=null", "topology.offload_rollout=null")
 
 
 def test_colocated_gpu_cluster_turns_offload_on(plan):
-    p = plan(QWEN05)
+    p = plan([*QWEN05, *DERIVED_OFFLOAD])
     assert (p.capabilities.offload_train, p.capabilities.offload_rollout) == (True, True)
     assert p.trainer.offload_train
     assert "--enable-memory-saver" in engine_argv(p)
@@ -92,8 +98,14 @@ def test_multi_lora_never_defaults_offload_on():
 
 
 def test_explicit_offload_setting_is_kept(plan):
-    p = plan([*QWEN05, "topology.offload_train=false"])
+    p = plan([*QWEN05, *DERIVED_OFFLOAD, "topology.offload_train=false"])
     assert (p.capabilities.offload_train, p.capabilities.offload_rollout) == (False, True)
+
+
+def test_the_qwen25_recipe_keeps_its_trainer_resident(plan):
+    p = plan(QWEN05)
+    assert (p.capabilities.offload_train, p.capabilities.offload_rollout) == (False, False)
+    assert not p.trainer.offload_train and "--enable-memory-saver" not in engine_argv(p)
 
 
 # ---- adapter names on the engines ----
@@ -192,18 +204,18 @@ def test_all_linear_on_a_dense_model_is_the_seven_standard_modules(plan):
 
 
 def test_all_linear_on_glm_adds_the_mla_projections(plan):
-    p = plan([*GLM, ALL_LINEAR])
+    p = plan(GLM_ALL_LINEAR)
     targets = p.adapters[0].target_modules
     assert targets == [*STANDARD_LINEAR, "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj"]
     assert flag_values(engine_argv(p), "--lora-target-modules") == targets
 
 
 def test_all_linear_never_targets_the_dsa_indexer(plan):
-    assert not {"wq_b", "wk", "weights_proj"} & set(plan([*GLM, ALL_LINEAR]).adapters[0].target_modules)
+    assert not {"wq_b", "wk", "weights_proj"} & set(plan(GLM_ALL_LINEAR).adapters[0].target_modules)
 
 
 def test_mla_without_q_lora_adds_only_the_kv_projections(plan):
-    targets = plan([*GLM, ALL_LINEAR, "model.q_lora_rank=0"]).adapters[0].target_modules
+    targets = plan([*GLM_ALL_LINEAR, "model.q_lora_rank=0"]).adapters[0].target_modules
     assert targets == [*STANDARD_LINEAR, *MLA_KV]
 
 
@@ -213,9 +225,10 @@ def test_q_lora_rank_alone_is_not_mla(plan):
 
 
 def test_exclude_modules_removes_expanded_names(plan):
-    p = plan([*GLM, ALL_LINEAR, "adapters.exclude_modules=[q_proj,kv_b_proj,gate_proj]"])
+    # gate_proj and up_proj go together: Megatron fuses them into one linear (megatron-lora-fused-targets).
+    p = plan([*GLM_ALL_LINEAR, "adapters.exclude_modules=[q_proj,kv_b_proj,gate_proj,up_proj]"])
     assert p.adapters[0].target_modules == [
-        "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "kv_a_proj_with_mqa", "q_a_proj", "q_b_proj",
+        "k_proj", "v_proj", "o_proj", "down_proj", "kv_a_proj_with_mqa", "q_a_proj", "q_b_proj",
     ]  # fmt: skip
 
 

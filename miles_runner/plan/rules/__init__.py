@@ -18,6 +18,7 @@ Modules, one per section, in the order their rules run:
     cluster          what a cpu-only or GPU cluster can run, and the trainer's size
     arithmetic       parallel groups, engine placement and memory, batch splits, ports
     backends         settings only one backend honours; what this release has not built (NOT_BUILT)
+    megatron         the Megatron trainer's LoRA paths, model families, layouts and refusals
     weight_sync      the adapter push cadence, the staleness it implies, and the checks of each push
     model            the model description matches its checkpoint, and its name can be served
     engine_build     a plan for stock SGLang uses no feature only the sglang-miles fork serves
@@ -29,12 +30,12 @@ Modules, one per section, in the order their rules run:
 # isort: off
 from miles_runner.plan.rules import sizes, session, fully_async, offload, weight_transfer, lora  # noqa: F401
 from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic, backends  # noqa: F401
-from miles_runner.plan.rules import weight_sync  # noqa: F401
+from miles_runner.plan.rules import megatron, weight_sync  # noqa: F401
 from miles_runner.plan.rules import model, engine_build  # noqa: F401
 from miles_runner.plan.rules import training
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 
-NOT_BUILT = backends.NOT_BUILT + training.NOT_BUILT
+NOT_BUILT = backends.NOT_BUILT + megatron.NOT_BUILT + training.NOT_BUILT
 
 __all__ = ["NOT_BUILT", "PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]

@@ -15,24 +15,13 @@ from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 # Rule ids of the refusals of what this release has not built (each names the issue that builds it).
-NOT_BUILT = ("megatron-trainer-not-built", "full-weight-training-not-built", "fully-async-not-built",
+NOT_BUILT = ("full-weight-training-not-built", "fully-async-not-built",
              "train-only-adapter-not-built",
              "fsdp-trainer-on-gpus-not-built")  # fmt: skip
 
 # SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
 SGLANG_ONLY_ENGINE_SETTINGS = ("mem_fraction_static", "lora_backend", "enable_cuda_graph", "dp_attention",
                                "fp8_rollout", "extra_args")  # fmt: skip
-
-
-@rule("megatron-trainer-not-built")
-def megatron_trainer_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.backend == "megatron":
-        yield Finding(
-            (BACKEND, LORA_MODE),
-            "The Megatron trainer (lora_mode bridge or raw) is not built in this release (issue 13); "
-            "this release trains with FSDP and peft LoRA.",
-            "trainer=fsdp lora_mode=peft",
-        )
 
 
 @rule("full-weight-training-not-built")
@@ -73,7 +62,7 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
         yield Finding(
             (BACKEND, "cluster.cpu_only"),
             "The FSDP trainer of this release trains on the host CPU (it places nothing on CUDA devices): on a GPU "
-            "cluster its GPUs would sit idle. GPU training is the Megatron trainer's (issue 13).",
+            "cluster its GPUs would sit idle. GPU training is the Megatron trainer's.",
             "cluster=cpu engine=embedded",
         )
 

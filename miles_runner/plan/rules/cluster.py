@@ -21,12 +21,6 @@ def cpu_cluster_runs_no_gpu_components(cfg: MilesConfig, d: Derived) -> Iterator
             "SGLang servers need CUDA GPUs; a cpu-only cluster runs the embedded engine.",
             "engine=embedded",
         )
-    if cfg.trainer.backend == "megatron":
-        yield Finding(
-            (BACKEND, "cluster.cpu_only"),
-            "The Megatron trainer needs CUDA GPUs; a cpu-only cluster trains with FSDP.",
-            "trainer=fsdp lora_mode=peft",
-        )
     if cfg.cluster.gpu_type != "none" or cfg.cluster.gpu_memory_gb > 0:
         yield Finding(
             ("cluster.gpu_type", "cluster.gpu_memory_gb", "cluster.cpu_only"),

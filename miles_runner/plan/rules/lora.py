@@ -40,16 +40,6 @@ def lora_mode_matches_trainer(cfg: MilesConfig, d: Derived) -> Iterator[Finding]
         yield Finding((LORA_MODE, BACKEND), "lora_mode=peft is the FSDP trainer's path.", "lora_mode=bridge")
 
 
-@rule("raw-lora-needs-native-model")
-def raw_lora_needs_native_model(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.lora.mode == "raw" and d.lora_enabled and not cfg.model.native_lora:
-        yield Finding(
-            (LORA_MODE, "model.native_lora"),
-            f"{cfg.model.name} has no native LoRA; raw mode would silently attach no adapter.",
-            "lora_mode=bridge",
-        )
-
-
 @rule("disaggregated-lora-needs-bridge")
 def disaggregated_lora_needs_bridge(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if d.lora_enabled and not d.colocated and cfg.lora.mode == "raw":

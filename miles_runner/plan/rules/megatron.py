@@ -1,0 +1,177 @@
+"""What the Megatron trainer (trainer=megatron) builds: its LoRA paths against the model family, the fused
+target groups, the parallel layouts it runs, and the Megatron settings this release refuses rather than ignores.
+
+lora_mode=raw is the project's own LoRA on megatron-core (trainer/megatron/raw_lora.py), for the families with a
+converter; lora_mode=bridge is Megatron-Bridge's AutoBridge and PEFT LoRA, for the model types Bridge registers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from miles_runner.config.schema import MilesConfig
+from miles_runner.core.megatron_families import (
+    BRIDGE_MODEL_TYPES,
+    FUSED_TARGET_GROUPS,
+    RAW_LORA_FAMILIES,
+    hf_model_type,
+)
+from miles_runner.plan.derive import Derived
+from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
+
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+NOT_BUILT = ("megatron-lora-layout-not-built", "megatron-multi-lora-not-built", "megatron-parallelism-not-built",
+             "megatron-offload-not-built")  # fmt: skip
+
+
+def _megatron_lora(cfg: MilesConfig, d: Derived) -> bool:
+    return cfg.trainer.backend == "megatron" and d.lora_enabled
+
+
+@rule("raw-lora-needs-converter")
+def raw_lora_needs_converter(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    family = cfg.model.family
+    if _megatron_lora(cfg, d) and cfg.lora.mode == "raw" and family not in RAW_LORA_FAMILIES:
+        bridge = hf_model_type(family) in BRIDGE_MODEL_TYPES
+        yield Finding(
+            (LORA_MODE, "model.family"),
+            f"lora_mode=raw converts {', '.join(RAW_LORA_FAMILIES)} between Hugging Face and megatron-core; "
+            f"{family} has no converter" + ("; Megatron-Bridge builds it." if bridge else "."),
+            "lora_mode=bridge" if bridge else "trainer=fsdp lora_mode=peft",
+        )
+
+
+@rule("native-lora-model-not-supported")
+def native_lora_model_not_supported(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "megatron" and cfg.model.native_lora:
+        yield Finding(
+            ("model.native_lora", LORA_MODE),
+            "No supported model ships its own LoRA modules (miles' Inkling provider); lora_mode=raw attaches the "
+            "project's LoRA to megatron-core's linears instead.",
+            "model.native_lora=false",
+        )
+
+
+@rule("megatron-lora-fused-targets")
+def megatron_lora_fused_targets(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if not _megatron_lora(cfg, d) or cfg.adapters.lora_type != "lora":
+        return
+    targets = set(d.target_modules)
+    # MLA attention (kv_lora_rank > 0) has no linear_qkv: its query and key-value projections are separate linears.
+    mla = cfg.model.kv_lora_rank > 0
+    for group in (g for g in FUSED_TARGET_GROUPS if not (mla and "q_proj" in g)):
+        named = [m for m in group if m in targets]
+        if named and len(named) < len(group):
+            fix = f"adapters.target_modules=[{','.join(sorted(targets | set(group)))}]"
+            exclude = cfg.adapters.exclude_modules
+            kept = [m for m in exclude if m not in group]  # an excluded member would be dropped again
+            yield Finding(
+                ("adapters.target_modules", *(("adapters.exclude_modules",) if kept != exclude else ()), BACKEND),
+                f"Megatron fuses {', '.join(group)} into one linear, which takes one LoRA: targeting "
+                f"{', '.join(named)} alone would adapt all of them.",
+                fix + (f" adapters.exclude_modules=[{','.join(kept)}]" if kept != exclude else ""),
+            )
+
+
+@rule("bridge-supports-model")
+def bridge_supports_model(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    model_type = hf_model_type(cfg.model.family)
+    if cfg.trainer.backend == "megatron" and cfg.lora.mode == "bridge" and model_type not in BRIDGE_MODEL_TYPES:
+        yield Finding(
+            ("model.family", LORA_MODE),
+            f"Megatron-Bridge 0.6.2 registers no bridge for the Hugging Face model type {model_type!r}.",
+            "trainer=fsdp lora_mode=peft",
+        )
+
+
+@rule("bridge-expert-lora-needs-ep1")
+def bridge_expert_lora_needs_ep1(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    p = cfg.trainer.parallel
+    experts = [m for m in d.target_modules if m in EXPERT_TARGETS]
+    if _megatron_lora(cfg, d) and cfg.lora.mode == "bridge" and d.is_moe and experts and p.ep > 1:
+        yield Finding(
+            ("adapters.target_modules", "trainer.parallel.ep", LORA_MODE),
+            "Megatron-Bridge 0.6.2 exports expert LoRA wrongly with EP > 1: each rank writes only its local "
+            f"experts, numbered from 0, so the adapter of [{', '.join(experts)}] would not load (PEFT refuses it).",
+            "trainer.parallel.ep=1",
+        )
+
+
+@rule("megatron-lora-layout-not-built")
+def megatron_lora_layout_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if not _megatron_lora(cfg, d):
+        return
+    if cfg.adapters.lora_type != "lora":
+        yield Finding(
+            ("adapters.lora_type", BACKEND),
+            "canonical_lora (one LoRA per projection of the fused linears) is not built in this release; the "
+            "Megatron trainer trains one LoRA per fused linear, exported as PEFT per-projection tensors.",
+            "adapters.lora_type=lora",
+        )
+    if cfg.adapters.experts_shared_outer:
+        yield Finding(
+            ("adapters.experts_shared_outer", BACKEND),
+            "Shared-outer expert LoRA is not built in this release: the Megatron trainer trains one LoRA per expert.",
+            "adapters.experts_shared_outer=false",
+        )
+
+
+@rule("megatron-multi-lora-not-built")
+def megatron_multi_lora_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend == "megatron" and d.multi_lora:
+        yield Finding(
+            (BACKEND, ADAPTERS),
+            "Multi-LoRA on Megatron needs Megatron-Bridge's MultiLoRA slots (per-adapter token spans in thd "
+            "packing, per-slot optimizer state); this release trains multi-LoRA with the FSDP trainer.",
+            "trainer=fsdp lora_mode=peft",
+        )
+
+
+@rule("megatron-parallelism-not-built")
+def megatron_parallelism_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend != "megatron":
+        return
+    p = cfg.trainer.parallel
+    reasons = {"pp": "pipeline stages", "cp": "context parallelism (ring attention needs Transformer Engine)",
+               "etp": "expert tensor parallelism"}  # fmt: skip
+    for key, what in reasons.items():
+        if getattr(p, key) != 1:
+            yield Finding(
+                (f"trainer.parallel.{key}", BACKEND),
+                f"The Megatron trainer of this release runs TP, EP and DP (with sequence parallelism under TP); "
+                f"{what} are not built.",
+                f"trainer.parallel.{key}=1",
+            )
+
+
+@rule("tensor-parallel-divides-heads")
+def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    tp, heads = cfg.trainer.parallel.tp, cfg.model.num_attention_heads
+    if cfg.trainer.backend == "megatron" and tp > 0 and heads % tp:
+        yield Finding(
+            ("trainer.parallel.tp", "model.num_attention_heads"),
+            f"TP {tp} splits attention by heads; {cfg.model.name} has {heads}.",
+            f"trainer.parallel.tp={max(t for t in range(1, tp + 1) if heads % t == 0)}",
+        )
+
+
+@rule("megatron-offload-not-built")
+def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.trainer.backend != "megatron":
+        return
+    for key, what in (("offload_train", "the trainer's weights while the engines generate"),
+                      ("offload_rollout", "the engines' memory while the trainer trains")):  # fmt: skip
+        if getattr(d, key):
+            yield Finding(
+                (f"topology.{key}", BACKEND),
+                f"Offloading {what} (SGLang's release/resume_memory_occupation, torch_memory_saver) is not built "
+                "in this release: the trainer and the engines stay resident side by side.",
+                f"topology.{key}=false",
+            )
+    if cfg.optimizer.cpu_offload:
+        yield Finding(
+            ("optimizer.cpu_offload", BACKEND),
+            "Megatron's CPU-offloaded distributed optimizer is not built in this release: the Megatron trainer "
+            "keeps its (LoRA-sized) optimizer state beside the adapter.",
+            "optimizer.cpu_offload=false",
+        )

@@ -1,0 +1,1 @@
+"""Megatron-core trainer: model core, HF conversion, parallel layout and the project's own LoRA on megatron."""

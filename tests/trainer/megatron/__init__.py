@@ -1,0 +1,1 @@
+"""Tests of the Megatron trainer (megatron-core on CPU, gloo)."""
