@@ -300,6 +300,9 @@ CASES = [
              ("trainer.parallel.etp=1", "trainer.parallel.tp=2"), "etp"),  # TP is built (with SP)
     RuleCase("tensor-parallel-divides-heads", (*QWEN05, "cluster=h100_1x8", "topology.actor_num_gpus_per_node=4"),
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",)),  # 14 heads
+    RuleCase("tensor-parallel-divides-heads", (*MEGATRON_CPU, "topology.actor_num_gpus_per_node=4",
+                                               "cluster.cpu_slots_per_node=8"),
+             ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
     RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=true",), ("topology.offload_train=false",)),
     RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_rollout=true",),
              ("topology.offload_rollout=false",), "rollout"),

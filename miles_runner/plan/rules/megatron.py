@@ -16,7 +16,8 @@ from miles_runner.core.megatron_families import (
     RAW_LORA_FAMILIES,
     hf_model_type,
 )
-from miles_runner.plan.derive import Derived
+from miles_runner.plan.derive import Derived, parse_tiny_model
+from miles_runner.plan.model_shape import checkpoint_config
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -146,13 +147,25 @@ def megatron_parallelism_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
 
 @rule("tensor-parallel-divides-heads")
 def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    tp, heads = cfg.trainer.parallel.tp, cfg.model.num_attention_heads
-    if cfg.trainer.backend == "megatron" and tp > 0 and heads % tp:
-        yield Finding(
-            ("trainer.parallel.tp", "model.num_attention_heads"),
-            f"TP {tp} splits attention by heads; {cfg.model.name} has {heads}.",
-            f"trainer.parallel.tp={max(t for t in range(1, tp + 1) if heads % t == 0)}",
-        )
+    """Megatron splits attention heads and KV groups (num_query_groups) over TP; the KV heads come from the
+    checkpoint's config when it is on this machine (the model.* description has no such field)."""
+    tp = cfg.trainer.parallel.tp
+    if cfg.trainer.backend != "megatron" or tp <= 0:
+        return
+    tiny = parse_tiny_model(cfg.model.path)
+    config = checkpoint_config(d.model_path, tiny[0] if tiny else None) or {}
+    counts = {"attention heads": cfg.model.num_attention_heads}
+    if config.get("num_key_value_heads"):
+        counts["KV heads"] = int(config["num_key_value_heads"])
+    for what, count in counts.items():
+        if count % tp:
+            fitting = max(t for t in range(1, tp + 1) if all(n % t == 0 for n in counts.values()))
+            yield Finding(
+                ("trainer.parallel.tp", "model.num_attention_heads", "model.path"),
+                f"TP {tp} splits attention by heads and KV groups; {cfg.model.name} has {count} {what}.",
+                f"trainer.parallel.tp={fitting}",
+            )
+            return
 
 
 @rule("megatron-offload-not-built")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -164,10 +165,24 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
 )
 
 
+# What megatron-core warns about at import on a CPU build: the fallbacks this module exists for, expected here.
+EXPECTED_CPU_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",  # TransformerConfig's own default cuda_graph_scope (0.16.1)
+)
+
+
+def quiet_expected_fallbacks() -> None:
+    for message in EXPECTED_CPU_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
 def apply_cpu_adaptations() -> None:
     """Make megatron-core run on a CPU torch build; idempotent; a no-op when CUDA is available."""
     if torch.cuda.is_available():
         return
+    quiet_expected_fallbacks()
     check_version()
     for adaptation in ADAPTATIONS:
         for module, attribute in adaptation.targets:

@@ -37,12 +37,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
 
+from miles_runner.core.megatron_families import RAW_LORA_FAMILIES
 from miles_runner.models.moe_routing import RoutingLayout
 from miles_runner.trainer.megatron.cpu_compat import apply_cpu_adaptations
 from miles_runner.trainer.megatron.parallel import Layout
 from miles_runner.trainer.routing_replay import NO_ROW, ReplayStats, differs
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2")
+SUPPORTED_MODEL_TYPES = RAW_LORA_FAMILIES  # the plan checks model.family against the same table
 
 
 def check_model_type(hf_config: dict) -> str:

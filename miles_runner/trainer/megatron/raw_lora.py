@@ -49,12 +49,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles_runner.core.adapters import AdapterSpec
+from miles_runner.core.megatron_families import FUSED_TARGET_GROUPS
 from miles_runner.trainer.megatron.convert import shard, unshard
 
-FUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_fc1": ("gate_proj", "up_proj"),
-}
+# The HF projections each fused megatron linear holds (the plan's megatron-lora-fused-targets checks the same groups).
+FUSED_GROUPS: dict[str, tuple[str, ...]] = dict(zip(("linear_qkv", "linear_fc1"), FUSED_TARGET_GROUPS, strict=True))
 HF_TO_MEGATRON: dict[str, str] = {
     "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
     "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",

@@ -111,9 +111,9 @@ def test_a_qwen3_moe_with_a_dense_layer_and_unnormalised_top_k(megatron_world, t
 
 
 def test_an_unknown_model_type_names_the_supported_ones(megatron_world):
-    with pytest.raises(ValueError, match=r"'llama'.*qwen3_moe, qwen3, qwen2"):
+    with pytest.raises(ValueError, match=r"'llama'.*qwen2, qwen3, qwen3_moe"):
         build_model({"model_type": "llama", "num_hidden_layers": 2}, parallel.Layout())
-    with pytest.raises(ValueError, match=r"supported: qwen3_moe, qwen3, qwen2"):
+    with pytest.raises(ValueError, match=r"supported: qwen2, qwen3, qwen3_moe"):
         convert.hf_module_names("mixtral")
 
 
@@ -155,3 +155,10 @@ def test_a_tp_shard_of_linear_fc1_holds_its_part_of_gate_and_of_up():
     proj_shards = [convert.shard("self_attention.linear_proj.weight", proj, rank, 2, 1) for rank in range(2)]
     assert [s.tolist() for s in proj_shards] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert torch.equal(convert.unshard("self_attention.linear_proj.weight", proj_shards, 1), proj)
+
+
+def test_the_plan_and_the_trainer_know_the_same_raw_lora_families():
+    from miles_runner.core.megatron_families import RAW_LORA_FAMILIES
+    from miles_runner.trainer.megatron.convert import CONVERTERS
+
+    assert set(CONVERTERS) == set(RAW_LORA_FAMILIES)
