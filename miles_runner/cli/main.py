@@ -60,8 +60,9 @@ from miles_runner.config.sources import (
     with_searchpath,
 )
 from miles_runner.core.errors import PlanError
-from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.compile import compile_plan, plan_or_design
 from miles_runner.plan.model import Plan
+from miles_runner.plan.summary import summarize
 from miles_runner.slurm.contradictions import executor_problems, with_executor
 
 EXIT_PLAN_ERROR = 2
@@ -130,7 +131,12 @@ def with_config_dirs(overrides: list[str], folders: Sequence[str]) -> list[str]:
 
 
 def single_run(overrides: list[str], *, plan_only: bool, argv: list[str], debug: bool = False) -> int:
-    composed, plan = checked_plan(overrides)
+    try:
+        composed, plan = checked_plan(overrides)
+    except PlanError:
+        if plan_only:
+            print_refused_design(overrides)
+        raise
     resumed = run_to_resume(composed, plan.name)
     if resumed is not None:
         plan, run_dir = resumed_plan(resumed, plan), resumed
@@ -140,6 +146,18 @@ def single_run(overrides: list[str], *, plan_only: bool, argv: list[str], debug:
     if plan_only:
         return 0
     return execute(plan, run_dir, resume=resumed is not None, debug=debug)
+
+
+def print_refused_design(overrides: list[str]) -> None:
+    """`--plan` of a plan this release refuses only for what it has not built: what its design would run, labelled
+    so (nothing is saved); the refusal follows on stderr."""
+    try:
+        design, refusal = plan_or_design(compose(overrides))
+    except PlanError:
+        return
+    if refusal is not None:
+        print("DESIGN ONLY, NOT RUNNABLE: this release refuses the plan (below); this is what its design would run.")
+        print(summarize(design, "(not saved)"))
 
 
 def checked_plan(overrides: list[str]) -> tuple[ComposedConfig, Plan]:

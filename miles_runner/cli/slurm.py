@@ -11,9 +11,8 @@ from miles_runner.cli.sweep_summary import render_summary, summarize_sweep
 from miles_runner.config.compose import compose
 from miles_runner.config.hydra_settings import SWEEP_KEYS, override_key
 from miles_runner.core.errors import PlanError, Problem
-from miles_runner.plan.compile import compile_design, compile_plan
+from miles_runner.plan.compile import compile_plan, plan_or_design
 from miles_runner.plan.model import Plan
-from miles_runner.plan.rules import NOT_BUILT
 from miles_runner.slurm.contradictions import settings_problems
 from miles_runner.slurm.jobs import format_states, job_states
 from miles_runner.slurm.script import render_job_script
@@ -61,13 +60,7 @@ def print_job_scripts(points: list[list[str]], overrides: list[str]) -> int:
 
 def job_plan(point: list[str]) -> tuple[Plan, PlanError | None]:
     """The plan to render and, when this release refuses it only for what it has not built, the refusal."""
-    composed = compose(point)
-    try:
-        return compile_plan(composed), None
-    except PlanError as exc:
-        if not all(problem.rule in NOT_BUILT for problem in exc.problems):
-            raise
-        return compile_design(composed), exc
+    return plan_or_design(compose(point))
 
 
 def sweep_status(args: list[str]) -> int:

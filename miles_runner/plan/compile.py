@@ -60,6 +60,17 @@ def compile_design(composed: ComposedConfig) -> Plan:
     return _compile(composed, {rule_id: check for rule_id, check in RULES.items() if rule_id not in NOT_BUILT})
 
 
+def plan_or_design(composed: ComposedConfig) -> tuple[Plan, PlanError | None]:
+    """The plan; or, when this release refuses it only for what it has not built, its design and the refusal (to
+    show what it would run, never to run it). Any other problem raises."""
+    try:
+        return compile_plan(composed), None
+    except PlanError as exc:
+        if not all(problem.rule in NOT_BUILT for problem in exc.problems):
+            raise
+        return compile_design(composed), exc
+
+
 def _compile(composed: ComposedConfig, rules: dict) -> Plan:
     cfg = composed.config
     check_rules(PRECONDITIONS, composed, None)

@@ -43,7 +43,10 @@ def test_plan_flag_writes_plan_config_and_provenance(tmp_path, capsys):
 
 def test_a_gpu_recipe_this_release_cannot_run_is_refused_with_what_is_missing(tmp_path, capsys):
     assert main(["+recipe=glm52_lora_agentic", "--plan", f"run.output_root={tmp_path}"]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    # --plan still shows what its design would run, labelled so: the Megatron-Bridge trainer at TP 8 / EP 32.
+    assert out.startswith("DESIGN ONLY, NOT RUNNABLE")
+    assert "megatron, 32 ranks, TP 8, EP 32" in out and "Megatron-Bridge PEFT LoRA" in out
     # Its Megatron trainer runs, but not offloaded beside the engines (not built): the refusal says what to set.
     assert "megatron-offload-not-built" in err and "is not built in this release" in err
     assert "fix: topology.offload_train=false" in err and "fix: optimizer.cpu_offload=false" in err
@@ -136,3 +139,11 @@ def test_multirun_launches_one_job_per_point(tmp_path):
     plans = sorted((tmp_path / "outputs" / "multirun").rglob("plan.yaml"))
     assert len(plans) == 2
     assert {read_plan(p).session.version for p in plans} == {"v1", "v2"}
+
+
+def test_plan_of_a_config_with_a_real_error_prints_no_design(tmp_path, capsys):
+    # A refusal for something other than what this release has not built: no design to show.
+    assert main(["+recipe=tiny_lora_agentic", "trainer=megatron", "lora_mode=peft", "--plan",
+                 f"run.output_root={tmp_path}"]) == 2
+    out, err = capsys.readouterr()
+    assert "DESIGN ONLY" not in out and "lora-mode-matches-trainer" in err
