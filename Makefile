@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # installed miles-run defaults to ~/.cache/miles-runner.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast lint layers sglang-spec bench clean
+.PHONY: install run plan test test-fast lint layers sglang-spec bridge-env bridge-test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,14 +37,51 @@ $(SGLANG_SPEC): pyproject.toml | $(STAMP)
 
 sglang-spec: $(SGLANG_SPEC)
 
+# The Megatron-Bridge side environment (trainer lora_mode=bridge; tests/trainer/megatron/bridge): megatron-bridge
+# 0.6.2 needs Python 3.12 (the main venv is 3.11), so it gets its own venv, used only by those tests. Its pins are
+# pyproject's (megatron-bridge: the gpu extra; megatron-core: the python_version >= '3.12' dependency).
+BRIDGE_VENV := .venv-bridge
+BRIDGE_BIN := $(BRIDGE_VENV)/bin
+BRIDGE_STAMP := $(BRIDGE_VENV)/.installed
+BRIDGE_PY ?= python3.12
+BRIDGE_PIN := $(shell sed -n 's/.*"megatron-bridge==\([^";]*\).*/\1/p' pyproject.toml)
+BRIDGE_MCORE_PIN := $(shell sed -n "s/.*\"megatron-core==\([^\";]*\); python_version >= '3.12'.*/\1/p" pyproject.toml)
+
+$(BRIDGE_STAMP): pyproject.toml
+	# PYENV_VERSION picks pyenv's 3.12 where python3.12 is a pyenv shim; elsewhere it is ignored.
+	test -x $(BRIDGE_BIN)/python || PYENV_VERSION=3.12 $(BRIDGE_PY) -m venv $(BRIDGE_VENV)
+	$(BRIDGE_BIN)/pip install -q --upgrade pip
+	# torch 2.9.1 is a CUDA build (PyPI serves no CPU build for 3.12; the local CPU wheel is 3.11 only): it runs on
+	# CPU but brings ~3 GB of nvidia wheels. It is the oldest that works here: megatron-core imports triton, and
+	# torch <= 2.7's triton (<= 3.3) raises at import without a GPU driver; torch 2.8 has no CPU grouped_mm, which
+	# transformers' Qwen3-MoE experts (the HF reference) call on CPU.
+	$(BRIDGE_BIN)/pip install -q torch==2.9.1
+	# megatron-bridge without its dependencies (a plain install compiles fast-hadamard-transform and pulls Transformer
+	# Engine, flashinfer, megatron-core[dev], ...): exactly what its import and LoRA need, transformers within its
+	# range (<= 5.12.1), the test runner, and this project (no deps: it imports only torch, numpy and the above).
+	$(BRIDGE_BIN)/pip install -q megatron-core==$(BRIDGE_MCORE_PIN) transformers==5.12.1 peft safetensors omegaconf \
+		einops six pytest pytest-timeout
+	$(BRIDGE_BIN)/pip install -q --no-deps megatron-bridge==$(BRIDGE_PIN)
+	$(BRIDGE_BIN)/pip install -q --no-deps -e .
+	touch $@
+
+bridge-env: $(BRIDGE_STAMP)
+
+# The tiny models are built by the main venv first (the cache is shared; its transformers sets the weights).
+bridge-test: bridge-env $(STAMP)
+	$(BIN)/python -c "from miles_runner.models.tiny_model import ensure_tiny_model as e; e('tiny-moe'); e('tiny-dense')"
+	$(BRIDGE_BIN)/python -m pytest -q tests/trainer/megatron/bridge $(BRIDGE_PYTEST_ARGS)
+
 run: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic $(ARGS)
 
 plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
-test: layers sglang-spec
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
+test: layers sglang-spec bridge-env
+	$(BIN)/python -m pytest -q --ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory bridge-test
 
 test-fast: layers sglang-spec
 	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)

@@ -57,6 +57,10 @@ def build_trainer(plan: Plan) -> Any:
     if plan.trainer.backend == "megatron":
         from miles_runner.trainer.megatron.trainer import build_megatron_trainer  # megatron imports take seconds
 
+        if plan.trainer.lora_mode == "bridge":  # Megatron-Bridge's model and LoRA (Python 3.12)
+            from miles_runner.trainer.megatron.bridge import BridgeTrainer
+
+            return build_megatron_trainer(plan, BridgeTrainer)
         return build_megatron_trainer(plan)
     return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
 

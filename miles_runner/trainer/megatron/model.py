@@ -307,30 +307,45 @@ def build_model(hf_config: dict, layout: Layout, *, routing_replay: bool = False
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
     )
-    model = MegatronCausalLM(gpt, hf_config, layout, routing_replay)
+    model = MegatronCausalLM(gpt, hf_config, layout, routing_replay=False)
     if routing_replay:
-        if not model.routers():
-            raise ValueError(f"routing replay needs a MoE model; model_type {hf_config['model_type']!r} is dense")
-        for _, router in model.routers():
-            router.router_replay = RouteReplay()
+        enable_routing_replay(model)
     if recompute:
-        for layer in gpt.decoder.layers:
-            layer.forward = functools.partial(_recomputed, layer.forward, _replay_hooks(layer))
+        recompute_layers(model)
     return model
+
+
+def enable_routing_replay(model: MegatronCausalLM) -> None:
+    """Put a RouteReplay in megatron-core's replay hook of every router, so replay_routing works on ``model`` (a
+    model build_model made, or Megatron-Bridge's GPTModel in one); ValueError for a model without routers."""
+    routers = model.routers()
+    if not routers:
+        raise ValueError(f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} is "
+                         "dense")  # fmt: skip
+    for _, router in routers:
+        router.router_replay = RouteReplay()
+    model.routing_replay = True
+
+
+def recompute_layers(model: MegatronCausalLM) -> None:
+    """Activation recomputation of every decoder layer (torch's non-reentrant checkpoint); a recomputed layer
+    routes in the backward as its forward did, whether replay is enabled before or after."""
+    for layer in model.gpt.decoder.layers:
+        layer.forward = functools.partial(_recomputed, layer.forward, layer)
 
 
 def _replay_hooks(module: torch.nn.Module) -> list[RouteReplay]:
     return [m.router_replay for m in module.modules() if isinstance(getattr(m, "router_replay", None), RouteReplay)]
 
 
-def _recomputed(forward: Callable, hooks: list[RouteReplay], *args: Any, **kwargs: Any) -> Any:
+def _recomputed(forward: Callable, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A decoder layer's forward that keeps only its inputs, run again in the backward with the replay rows its
     routers had in the forward (the replay context may be over by then, or hold another micro-batch's rows)."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
 
     def contexts():
-        saved = [(hook, hook.target, hook.differing) for hook in hooks]
+        saved = [(hook, hook.target, hook.differing) for hook in _replay_hooks(layer)]
         return nullcontext(), _routes_restored(saved)
 
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
@@ -349,13 +364,25 @@ def _routes_restored(saved: list[tuple[RouteReplay, Tensor | None, Tensor | None
 
 
 def routing_layout(model: MegatronCausalLM) -> RoutingLayout:
-    """The model's routing rows ``(tokens, num_layers, top_k)``, as moe_routing.routing_layout for an HF model."""
-    hf_config = model.hf_config
-    layers = moe_layers(hf_config)
-    if not layers:
-        raise ValueError(f"routing replay needs a MoE model; model_type {hf_config['model_type']!r} has no router")
-    return RoutingLayout(num_layers=int(hf_config["num_hidden_layers"]), top_k=int(hf_config["num_experts_per_tok"]),
-                         num_experts=num_experts(hf_config), moe_layers=layers)
+    """The model's routing rows ``(tokens, num_layers, top_k)``, as moe_routing.routing_layout for an HF model;
+    read from the GPTModel's TransformerConfig, so a model Megatron-Bridge built from any HF family answers too."""
+    config = model.gpt.config
+    if not config.num_moe_experts:
+        raise ValueError(f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} has "
+                         "no router")  # fmt: skip
+    return RoutingLayout(num_layers=config.num_layers, top_k=config.moe_router_topk,
+                         num_experts=config.num_moe_experts, moe_layers=routed_layers(config))  # fmt: skip
+
+
+def routed_layers(config: Any) -> tuple[int, ...]:
+    """The decoder layers with a router, by megatron's reading of ``moe_layer_freq`` (gpt_layer_specs): an int N
+    routes every layer i with i % N == 0, a list marks each layer 1 (MoE) or 0 (dense)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i for i in range(config.num_layers) if i % freq == 0)
+    if isinstance(freq, list) and len(freq) == config.num_layers:
+        return tuple(i for i, routed in enumerate(freq) if routed)
+    raise ValueError(f"moe_layer_freq {freq!r}: expected an int or a 0/1 list of {config.num_layers} layers")
 
 
 def replay_routing(model: MegatronCausalLM, routes: Tensor | None, stats: ReplayStats | None = None):
@@ -368,7 +395,8 @@ def replay_routing(model: MegatronCausalLM, routes: Tensor | None, stats: Replay
 @contextmanager
 def _replaying(model: MegatronCausalLM, routes: Tensor, stats: ReplayStats | None) -> Iterator[None]:
     if not model.routing_replay:
-        raise ValueError("routing replay: build the model with build_model(..., routing_replay=True)")
+        raise ValueError("routing replay: build the model with build_model(..., routing_replay=True) or call "
+                         "enable_routing_replay(model) first")  # fmt: skip
     if model._replay is not None:
         if model._replay.routes is not routes:
             raise ValueError("routing replay: a forward with other routes inside a replay of this batch")

@@ -85,8 +85,8 @@ def megatron_targets(target_modules: list[str]) -> set[str]:
     """The megatron modules an HF target list names; unknown names and partial fused groups are refused."""
     unknown = sorted(set(target_modules) - set(HF_TO_MEGATRON))
     if unknown:
-        raise ValueError(f"adapter.target_modules {unknown} have no megatron LoRA target under lora_mode=raw "
-                         f"(supported: {sorted(HF_TO_MEGATRON)})")  # fmt: skip
+        raise ValueError(f"adapter.target_modules {unknown} have no megatron LoRA target (lora_mode=raw and "
+                         f"bridge map the same names; supported: {sorted(HF_TO_MEGATRON)})")  # fmt: skip
     for module, group in FUSED_GROUPS.items():
         named = [name for name in group if name in target_modules]
         if named and len(named) != len(group):

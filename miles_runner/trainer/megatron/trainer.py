@@ -45,18 +45,11 @@ class MegatronTrainer:
 
     def __init__(self, model_path: str | Path, settings: TrainerSettings, layout: parallel.Layout,
                  *, qkv_format: str = "thd", device: torch.device | None = None) -> None:  # fmt: skip
-        from miles_runner.trainer.megatron.convert import load_hf_checkpoint
-
         apply_cpu_adaptations()
         parallel.initialize(layout)
         self.settings, self.layout, self.model_path = settings, layout, str(model_path)
         hf_config = json.loads((Path(model_path) / "config.json").read_text())
-        self.model = build_model(hf_config, layout, routing_replay=settings.routing_replay,
-                                 recompute=settings.recompute)
-        load_hf_checkpoint(self.model, self.model_path)
-        for param in self.model.parameters():
-            param.requires_grad_(False)
-        raw_lora.attach_lora(self.model, settings.adapter, seed=settings.seed)
+        self.model = self._build_model(hf_config)
         self.model.to(device or torch.device("cpu"))
         if settings.adapter.init_path:
             self.load_adapter_folder(Path(settings.adapter.init_path))
@@ -65,10 +58,39 @@ class MegatronTrainer:
         self.pad_id = int(hf_config.get("pad_token_id") or 0)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = parallel.data_parallel_rank(), parallel.data_parallel_size()
-        self.optimizer = build_optimizer(raw_lora.lora_parameters(self.model), settings.optimizer, settings.adapter.lr)
+        self.optimizer = build_optimizer(self._lora_parameters(), settings.optimizer, settings.adapter.lr)
         self.step = 0
         self.estimator = settings.estimator()
         self.loss_config = settings.loss_config()
+
+    # ---- the model and its LoRA (lora_mode=raw here; bridge.BridgeTrainer overrides these for Megatron-Bridge) ----
+
+    def _build_model(self, hf_config: dict) -> torch.nn.Module:
+        """The megatron model with the HF weights, frozen, and the plan's LoRA attached."""
+        from miles_runner.trainer.megatron.convert import load_hf_checkpoint
+
+        s = self.settings
+        model = build_model(hf_config, self.layout, routing_replay=s.routing_replay, recompute=s.recompute)
+        load_hf_checkpoint(model, self.model_path)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        raw_lora.attach_lora(model, s.adapter, seed=s.seed)
+        return model
+
+    def _lora_parameters(self) -> list[torch.nn.Parameter]:
+        return raw_lora.lora_parameters(self.model)
+
+    def _adapter_enabled(self, on: bool):
+        """A context in which the adapter applies (on) or not (the base policy, the KL reference)."""
+        return raw_lora.enabled(self.model, on)
+
+    def _complete_grads(self) -> float:
+        """Reduce the LoRA gradients over the ranks and clip them; the gradient norm before clipping."""
+        raw_lora.reduce_lora_grads(self.model)
+        return raw_lora.clip_grad_norm(self.model, self.settings.optimizer.clip_grad)
+
+    def _load_peft_state(self, state: dict[str, torch.Tensor]) -> None:
+        lora_export.load_peft_state(self.model, state)
 
     # ---- log-probs ----
 
@@ -87,7 +109,7 @@ class MegatronTrainer:
         self.model.eval()
         out = torch.zeros(batch.loss_mask.shape)
         cut = self.settings.max_tokens_per_micro_batch > 0
-        with raw_lora.enabled(self.model, adapter):
+        with self._adapter_enabled(adapter):
             for rows in self._micro_batches(batch, list(range(batch.input_ids.shape[0]))):
                 part = batch.select(torch.tensor(rows, dtype=torch.long))
                 width = max(row_lengths(part), default=1) if cut else part.input_ids.shape[1]
@@ -156,8 +178,7 @@ class MegatronTrainer:
             temperature=self.settings.temperature, micro_batches=self._micro_batches(full, rows),
             normalizer=self._normalizer(full, rows), cut=self.settings.max_tokens_per_micro_batch > 0,
         )  # fmt: skip
-        raw_lora.reduce_lora_grads(self.model)
-        grad_norm = raw_lora.clip_grad_norm(self.model, self.settings.optimizer.clip_grad)
+        grad_norm = self._complete_grads()
         self.optimizer.step()
         self.step += 1
         means.add({"grad_norm": float(grad_norm)}, 1.0)
@@ -203,19 +224,28 @@ class MegatronTrainer:
         """Start from a saved PEFT adapter (adapters.path): every LoRA tensor is replaced, or it fails."""
         from safetensors.torch import load_file
 
-        lora_export.load_peft_state(self.model, load_file(folder / "adapter_model.safetensors"))
+        self._load_peft_state(load_file(folder / "adapter_model.safetensors"))
 
     def state_dict(self) -> dict[str, Any]:
-        """Adapter (PEFT names), every rank's optimizer state, RNG and step; collective, complete on every rank."""
-        optimizer_states: list[Any] = [None] * self.world_size
-        dist.all_gather_object(optimizer_states, self.optimizer.state_dict())
+        """Every rank's LoRA shards and optimizer state (resume needs the same layout, as in Megatron), the adapter
+        in PEFT names (layout-free, to read), RNG and step; collective, complete on every rank."""
         return {
             "adapter": self.adapter_state(),
-            "optimizer_by_rank": optimizer_states,
+            "lora_by_rank": self._gathered(self._lora_shards()),
+            "optimizer_by_rank": self._gathered(self.optimizer.state_dict()),
             "layout": self._layout_record(),
             "rng": torch.get_rng_state(),
             "step": self.step,
         }
+
+    def _gathered(self, local: Any) -> list[Any]:
+        every_rank: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every_rank, local)
+        return every_rank
+
+    def _lora_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's trainable (LoRA) parameters under the model's own names."""
+        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
     def _layout_record(self) -> dict[str, Any]:
         """What the optimizer shards depend on: the model-parallel layout and the rank count."""
@@ -226,21 +256,23 @@ class MegatronTrainer:
         if saved != self._layout_record():
             raise ValueError(f"the checkpoint was written with trainer layout {saved}; this run is "
                              f"{self._layout_record()}: resume with the same TP/EP/PP and rank count")  # fmt: skip
-        lora_export.load_peft_state(self.model, state["adapter"])
+        shards, params = state["lora_by_rank"][self.rank], dict(self.model.named_parameters())
+        if set(shards) != {name for name, p in params.items() if p.requires_grad}:
+            raise ValueError(f"the checkpoint's LoRA tensors {sorted(shards)[:3]}... are not this model's adapter")
+        with torch.no_grad():
+            for name, tensor in shards.items():
+                params[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer_by_rank"][self.rank])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
 
-def build_megatron_trainer(plan: Plan) -> MegatronTrainer:
-    """This rank's Megatron trainer for the plan (``lora_mode`` raw; bridge builds through Megatron-Bridge)."""
+def build_megatron_trainer(plan: Plan, trainer_class: type[MegatronTrainer] = MegatronTrainer) -> MegatronTrainer:
+    """This rank's Megatron trainer for the plan: MegatronTrainer (``lora_mode=raw``) or a subclass of it
+    (``lora_mode=bridge``: bridge.BridgeTrainer, which trainer/ranks.py passes; bridge.py imports this module)."""
     settings, layout = TrainerSettings.from_plan(plan), parallel.Layout.from_plan(plan)
     options = {"qkv_format": plan.trainer.parallel.qkv_format, "device": trainer_device(plan)}
-    if plan.trainer.lora_mode == "bridge":
-        from miles_runner.trainer.megatron.bridge import BridgeTrainer
-
-        return BridgeTrainer(plan.model_path, settings, layout, **options)
-    return MegatronTrainer(plan.model_path, settings, layout, **options)
+    return trainer_class(plan.model_path, settings, layout, **options)
 
 
 def trainer_device(plan: Plan) -> torch.device:

@@ -17,6 +17,7 @@ from miles_runner.trainer.megatron import parallel
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
 
 from ..settings import make_settings
+from .fused_adapter import save_fused_adapter
 
 PROMPT = [1, 60, 61, 62, 63, 4]
 RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 92, 93, 2])
@@ -33,25 +34,9 @@ def samples(rewards=REWARDS) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def start_adapter(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PEFT adapter with random A and B (peft's init_lora_weights=False): both trainers start from it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        init_lora_weights=False)  # fmt: skip
-    model = get_peft_model(base, config)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, param in params.items():
-            if "lora_B" in name:
-                param.mul_(0.1)  # a visible but small change to the outputs
-            if ".k_proj.lora_A" in name or ".v_proj.lora_A" in name:  # megatron fuses q/k/v: one shared A
-                param.copy_(params[name.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.")])
-    out = tmp_path_factory.mktemp("start") / "adapter"
-    model.save_pretrained(out)
-    return out
+    """A PEFT adapter with random A and B (q/k/v sharing A, as megatron's fused linear_qkv): both trainers start
+    from it."""
+    return save_fused_adapter(tiny_model_path, tmp_path_factory.mktemp("start") / "adapter")
 
 
 def settings_from(start: Path | None = None, **overrides):
