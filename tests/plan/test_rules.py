@@ -303,8 +303,6 @@ CASES = [
     RuleCase("tensor-parallel-divides-heads", (*MEGATRON_CPU, "topology.actor_num_gpus_per_node=4",
                                                "cluster.cpu_slots_per_node=8"),
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
-    RuleCase("bridge-routing-replay-not-built", (*MEGATRON_CPU, "lora_mode=bridge"), ("rollout.routing_replay=true",),
-             ("lora_mode=raw",)),
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
     RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=true",), ("topology.offload_train=false",)),
@@ -671,7 +669,7 @@ def test_adapter_needs_at_least_one_prompt(problems):
 
 def test_only_an_embedded_engine_wider_than_a_node_is_refused(problems):
     # glm52's SGLang engines span two nodes each: only its trainer's offload is refused (not built), not its engines.
-    assert rule_ids(problems(GLM)) == {"megatron-offload-not-built", "bridge-routing-replay-not-built"}
+    assert rule_ids(problems(GLM)) == {"megatron-offload-not-built"}
     sglang_wide = ["cluster=gpu_1x", "cluster.nodes=2", "engine=sglang", "engine.tp_size=2", "executor=ray"]
     assert "embedded-engine-within-a-node" not in rule_ids(problems(sglang_wide))
     refused = problem_of("embedded-engine-within-a-node", [*TWO_CPU_NODES, "engine.tp_size=2"], problems)

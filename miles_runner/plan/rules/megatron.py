@@ -22,7 +22,7 @@ from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, 
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 NOT_BUILT = ("megatron-lora-layout-not-built", "megatron-multi-lora-not-built", "megatron-parallelism-not-built",
-             "megatron-offload-not-built", "bridge-routing-replay-not-built")  # fmt: skip
+             "megatron-offload-not-built")  # fmt: skip
 
 
 def _megatron_lora(cfg: MilesConfig, d: Derived) -> bool:
@@ -187,17 +187,6 @@ def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding
             "Megatron's CPU-offloaded distributed optimizer is not built in this release: the Megatron trainer "
             "keeps its (LoRA-sized) optimizer state beside the adapter.",
             "optimizer.cpu_offload=false",
-        )
-
-
-@rule("bridge-routing-replay-not-built")
-def bridge_routing_replay_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if _megatron_lora(cfg, d) and cfg.lora.mode == "bridge" and cfg.rollout.routing_replay:
-        yield Finding(
-            ("rollout.routing_replay", LORA_MODE),
-            "Routing replay (R3) in training is built for lora_mode=raw (megatron-core's router replay hook); "
-            "the Megatron-Bridge model of this release routes on its own.",
-            "lora_mode=raw",
         )
 
 

@@ -112,10 +112,13 @@ class CausalLMForLoss(torch.nn.Module):
         if routes is None:
             yield
             return
-        if self._routes is not None and self._routes[0] is not routes:
-            raise ValueError("routing replay: a forward with other routes inside a replay of this batch")
-        outer, self._routes = self._routes, (routes, stats)
+        if self._routes is not None:  # inside a replay: the same routes are a no-op, the outer one counts them
+            if self._routes[0] is not routes:
+                raise ValueError("routing replay: a forward with other routes inside a replay of this batch")
+            yield
+            return
+        self._routes = (routes, stats)
         try:
             yield
         finally:
-            self._routes = outer
+            self._routes = None

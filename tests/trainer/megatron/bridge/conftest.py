@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session")
 def one_rank(tmp_path_factory, tiny_dense_path, tiny_moe_path) -> dict[str, dict]:
     """bridge_case.run_case in this process (one rank, no parallelism), the reference of every layout: tiny-dense
-    and tiny-moe with every target, and tiny-moe with attention targets only."""
+    and tiny-moe with every target, tiny-moe with attention targets only, and tiny-moe under routing replay."""
     from miles_runner.trainer.megatron.parallel import Layout
 
     from .bridge_case import ATTENTION_TARGETS, run_case
@@ -41,4 +41,5 @@ def one_rank(tmp_path_factory, tiny_dense_path, tiny_moe_path) -> dict[str, dict
         "tiny-dense": run_case(tiny_dense_path, Layout(), root / "tiny-dense"),
         "tiny-moe": run_case(tiny_moe_path, Layout(), root / "tiny-moe"),
         "tiny-moe-attention": run_case(tiny_moe_path, Layout(), root / "tiny-moe-attention", ATTENTION_TARGETS),
+        "tiny-moe-replay": run_case(tiny_moe_path, Layout(), root / "tiny-moe-replay", replay=True),
     }

@@ -1,7 +1,8 @@
 """lora_mode=bridge across two gloo processes. Every supported layout -- dense TP=2 (with and without sequence
-parallelism), dense DP=2, MoE TP=2+SP, and MoE EP=2 (two data-parallel ranks) with attention targets -- gives
-the same initial adapter from the same seed, the same trained adapter after two SGD steps on the same batch
-(each DP rank its rows) and the same save_hf_adapter files as one process.
+parallelism), dense DP=2, MoE TP=2+SP (also under routing replay: each rank's routers replay their sequence
+shard), and MoE EP=2 (two data-parallel ranks) with attention targets -- gives the same initial adapter from the
+same seed, the same trained adapter after two SGD steps on the same batch (each DP rank its rows) and the same
+save_hf_adapter files as one process.
 
 MoE EP=2 with expert targets: Bridge's export is broken (what bridge.EXPERT_EXPORT_REFUSAL says): each EP rank's
 local experts are numbered from 0, so the file holds half the experts and peft cannot load it. When a
@@ -27,6 +28,8 @@ PARITY_CASES = [  # (case, the one_rank reference)
     ({"name": "moe_tp2_sp", "model": "tiny-moe", "layout": {"tp": 2, "sp": True}}, "tiny-moe"),
     ({"name": "moe_ep2_attention", "model": "tiny-moe", "layout": {"ep": 2},
       "options": {"targets": ATTENTION_TARGETS}}, "tiny-moe-attention"),
+    ({"name": "moe_tp2_sp_replay", "model": "tiny-moe", "layout": {"tp": 2, "sp": True},
+      "options": {"replay": True}}, "tiny-moe-replay"),
 ]  # fmt: skip
 
 
