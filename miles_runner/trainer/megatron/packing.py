@@ -1,10 +1,10 @@
 """How the Megatron trainer feeds a right-padded batch to the model: the plan's ``trainer.parallel.qkv_format``.
 
-- ``thd``: the rows' real tokens are packed back to back into one sequence, and attention is block-diagonal
-  (a token reads only earlier tokens of its own sample), as Megatron's packed (THD) sequences are. No padding
-  token is computed. The local layer spec has no varlen kernel, so the blocks are an explicit mask; RoPE needs no
-  per-sample offsets because a block only ever compares positions within itself (RoPE scores depend on the
-  distance alone).
+- ``thd``: the samples' real tokens are packed back to back (first fit, rows of up to ``PACKED_ROW_TOKENS``), and
+  attention is block-diagonal (a token reads only earlier tokens of its own sample), as Megatron's packed (THD)
+  sequences are. The local layer spec has no varlen kernel, so the blocks are an explicit mask, quadratic in a
+  row's width: hence rows of bounded width rather than one row per micro-batch. RoPE needs no per-sample offsets
+  because a block only ever compares positions within itself (RoPE scores depend on the distance alone).
 - ``bshd``: the rows as they are, right-padded.
 
 Either way every rank of the world forwards the same shape: the MoE token dispatcher all-gathers tokens over
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -25,9 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles_runner.trainer.megatron.model import MegatronCausalLM, replay_routing
+from miles_runner.trainer.micro_batches import first_fit
 from miles_runner.trainer.routing_replay import NO_ROW, ReplayStats
 
 NO_SEGMENT = -1  # padding in a packed row
+# Packed rows hold up to this many tokens: the local layer spec attends through an explicit mask, quadratic in a
+# row's width, so one row per micro-batch would cost (batch tokens)^2 (bench/megatron_step_time.py).
+PACKED_ROW_TOKENS = 512
 
 
 def agreed(*sizes: int) -> list[int]:
@@ -43,27 +48,51 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@torch.no_grad()
-def segments_of(attention_mask: Tensor, width: int) -> Tensor:
-    """``[1, width]``: the row each packed token comes from, NO_SEGMENT past the last real token."""
-    lengths = attention_mask.sum(dim=1)
-    segments = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    return F.pad(segments, (0, width - len(segments)), value=NO_SEGMENT).unsqueeze(0)
+@dataclass(frozen=True)
+class Packing:
+    """Where each sample's tokens sit in the packed rows: ``flat [B, L]`` is the position in the flattened
+    ``[rows, width]`` packed batch, -1 at padding."""
 
+    rows: int
+    width: int
+    flat: Tensor
 
-def pack(values: Tensor, attention_mask: Tensor, width: int, fill: int | float) -> Tensor:
-    """``values [B, L, ...]`` -> ``[1, width, ...]``: each row's real positions back to back, then ``fill``."""
-    real = values[attention_mask.bool()]
-    pad = torch.full((width - real.shape[0], *real.shape[1:]), fill, dtype=values.dtype, device=values.device)
-    return torch.cat([real, pad]).unsqueeze(0)
+    @classmethod
+    def of(cls, attention_mask: Tensor, tp: int) -> Packing:
+        """Samples first-fit into rows of at most PACKED_ROW_TOKENS tokens (a longer sample alone in its row), the
+        row count and width agreed over the world."""
+        lengths = [int(n) for n in attention_mask.sum(dim=1)]
+        bins = first_fit(lengths, max([PACKED_ROW_TOKENS, *lengths]))
+        used = max((sum(lengths[r] for r in b) for b in bins), default=1)
+        rows, width = agreed(max(len(bins), 1), round_up(max(used, 1), tp))
+        start = torch.zeros(len(lengths), dtype=torch.long)
+        for row, members in enumerate(bins):
+            offset = row * width
+            for r in members:
+                start[r], offset = offset, offset + lengths[r]
+        columns = torch.arange(attention_mask.shape[1])
+        flat = torch.where(attention_mask.cpu().bool(), start[:, None] + columns[None, :], -1)
+        return cls(rows, width, flat.to(attention_mask.device))
 
+    def pack(self, values: Tensor, fill: int | float) -> Tensor:
+        """``values [B, L, ...]`` -> ``[rows, width, ...]``, ``fill`` where no token sits."""
+        out = torch.full((self.rows * self.width, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+        real = self.flat.to(values.device) >= 0
+        out[self.flat.to(values.device)[real]] = values[real]
+        return out.view(self.rows, self.width, *values.shape[2:])
 
-def unpack(values: Tensor, attention_mask: Tensor) -> Tensor:
-    """The inverse of ``pack`` for ``[1, width, ...]`` outputs: ``[B, L, ...]``, zero at padding."""
-    out = values.new_zeros((*attention_mask.shape, *values.shape[2:]))
-    mask = attention_mask.bool()
-    out[mask] = values[0, : int(mask.sum())]
-    return out
+    def segments(self) -> Tensor:
+        """``[rows, width]``: the sample each packed token comes from, NO_SEGMENT where none does."""
+        owners = torch.arange(self.flat.shape[0], device=self.flat.device)[:, None].expand_as(self.flat)
+        return self.pack(owners.unsqueeze(-1), NO_SEGMENT).squeeze(-1)
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """The inverse of ``pack`` for ``[rows, width, ...]`` outputs: ``[B, L, ...]``, zero at padding."""
+        flat_values = values.reshape(self.rows * self.width, *values.shape[2:])
+        out = flat_values.new_zeros((*self.flat.shape, *values.shape[2:]))
+        real = self.flat >= 0
+        out[real] = flat_values[self.flat[real]]
+        return out
 
 
 class CausalLMForLoss(torch.nn.Module):
@@ -84,12 +113,11 @@ class CausalLMForLoss(torch.nn.Module):
         return self._padded(input_ids, attention_mask)
 
     def _packed(self, input_ids: Tensor, attention_mask: Tensor) -> SimpleNamespace:
-        (width,) = agreed(round_up(max(int(attention_mask.sum()), 1), self.model.layout.tp))
-        segments = segments_of(attention_mask, width)
-        routes = None if self._routes is None else pack(self._routes[0], attention_mask.cpu(), width, NO_ROW)
+        packing = Packing.of(attention_mask, self.model.layout.tp)
+        routes = None if self._routes is None else packing.pack(self._routes[0].to(input_ids.device), NO_ROW).cpu()
         with self._replay(routes):
-            out = self.model(pack(input_ids, attention_mask, width, 0), segment_ids=segments)
-        return SimpleNamespace(logits=unpack(out.logits, attention_mask))
+            out = self.model(packing.pack(input_ids, 0), segment_ids=packing.segments())
+        return SimpleNamespace(logits=packing.unpack(out.logits))
 
     def _padded(self, input_ids: Tensor, attention_mask: Tensor) -> SimpleNamespace:
         rows, width = input_ids.shape

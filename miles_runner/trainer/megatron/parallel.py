@@ -101,3 +101,10 @@ def data_parallel_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_world_size()
+
+
+def data_parallel_group() -> Any:
+    """The ranks that hold the same dense weights and split the batch (what dense LoRA gradients average over)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()

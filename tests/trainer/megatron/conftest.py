@@ -6,9 +6,13 @@ reference (here) and each rank of a worker run.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from miles_runner.models.tiny_model import ensure_tiny_model
+
+from .fused_adapter import save_fused_adapter
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +23,10 @@ def tiny_moe_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_dense_path() -> str:
     return str(ensure_tiny_model("tiny-dense"))
+
+
+@pytest.fixture(scope="session")
+def start_adapter(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT adapter with random A and B (q/k/v sharing A, as megatron's fused linear_qkv): both trainers start
+    from it."""
+    return save_fused_adapter(tiny_model_path, tmp_path_factory.mktemp("start") / "adapter")

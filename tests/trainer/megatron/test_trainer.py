@@ -17,7 +17,6 @@ from miles_runner.trainer.megatron import parallel
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
 
 from ..settings import make_settings
-from .fused_adapter import save_fused_adapter
 
 PROMPT = [1, 60, 61, 62, 63, 4]
 RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 92, 93, 2])
@@ -30,13 +29,6 @@ SGD = OptimizerConfig(name="sgd", lr=0.5, clip_grad=1e9)
 def samples(rewards=REWARDS) -> list[Sample]:
     return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
             for r, w in zip(RESPONSES, rewards, strict=True)]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def start_adapter(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PEFT adapter with random A and B (q/k/v sharing A, as megatron's fused linear_qkv): both trainers start
-    from it."""
-    return save_fused_adapter(tiny_model_path, tmp_path_factory.mktemp("start") / "adapter")
 
 
 def settings_from(start: Path | None = None, **overrides):
