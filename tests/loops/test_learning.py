@@ -8,47 +8,13 @@ same fault stops the run at the first push after step 0, whose probe differs fro
 before the trainer trains further: under the sync and the async driver alike.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
-from miles_runner.procs.ports import free_port
+from tests.loops.recipe_runs import MARGIN, gain, miles_run, run_default_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-WINDOW = 10
-MARGIN = 0.06
-
-
-def miles_run(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic"):
-    """The recipe's run; with `fault`, under the switch that freezes the rollouts' adapter."""
-    env = {**os.environ, "WANDB_MODE": "disabled", FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
-    args = [f"+recipe={recipe}", f"run.output_root={root}", "logger=none",
-            f"engine.base_port={free_port()}", f"session.port={free_port()}", *overrides]
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True,
-                          text=True, timeout=880)
-    assert (f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in done.stderr) == fault  # a fault run says so
-    return done
-
-
-def records(root: Path) -> list[dict]:
-    [metrics] = root.rglob("metrics.jsonl")
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def run_default_recipe(root: Path, *, fault: bool, recipe: str = "tiny_lora_agentic") -> list[float]:
-    # The control run trains on under a frozen adapter only with its push verification off.
-    done = miles_run(root, *(["weight_sync.verify=false"] if fault else []), fault=fault, recipe=recipe)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [record["reward/mean"] for record in records(root)]
-
-
-def gain(rewards: list[float]) -> float:
-    return sum(rewards[-WINDOW:]) / WINDOW - sum(rewards[:WINDOW]) / WINDOW
 
 
 def test_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_path):

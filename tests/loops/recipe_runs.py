@@ -1,0 +1,54 @@
+"""A recipe run through `miles-run` in a subprocess, and the learning measure of its rewards: shared by the
+learning proofs of each trainer backend (test_learning.py: FSDP, test_learning_megatron.py: Megatron)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
+from miles_runner.procs.ports import free_port, free_port_block
+
+WINDOW = 10
+MARGIN = 0.06
+
+
+def recipe_command(root: Path, *overrides: str, recipe: str = "tiny_lora_agentic") -> list[str]:
+    """miles-run's command line for the recipe's run under `root`, on free ports (up to two engines)."""
+    return [sys.executable, "-m", "miles_runner.cli.main", f"+recipe={recipe}", f"run.output_root={root}",
+            "logger=none", f"engine.base_port={free_port_block(2)}", f"session.port={free_port()}",
+            *overrides]  # fmt: skip
+
+
+def run_env(*, fault: bool) -> dict[str, str]:
+    """The run's environment: no tracking; with `fault`, the switch that freezes the rollouts' adapter."""
+    return {**os.environ, "WANDB_MODE": "disabled", FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
+
+
+def miles_run(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic", timeout_s: float = 880):
+    """The recipe's run; with `fault`, under the switch that freezes the rollouts' adapter."""
+    done = subprocess.run(recipe_command(root, *overrides, recipe=recipe), env=run_env(fault=fault),
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    assert (f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in done.stderr) == fault  # a fault run says so
+    return done
+
+
+def records(root: Path) -> list[dict]:
+    """The metrics records of the one run under `root` (none yet: [])."""
+    found = list(root.rglob("metrics.jsonl"))
+    return [json.loads(line) for line in found[0].read_text().splitlines()] if found else []
+
+
+def run_default_recipe(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic",
+                       timeout_s: float = 880) -> list[float]:  # fmt: skip
+    """The recipe's rewards step by step (`overrides` on top of it, e.g. another trainer backend)."""
+    # The control run trains on under a frozen adapter only with its push verification off.
+    done = miles_run(root, *overrides, *(["weight_sync.verify=false"] if fault else []), fault=fault, recipe=recipe,
+                     timeout_s=timeout_s)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [record["reward/mean"] for record in records(root)]
+
+
+def gain(rewards: list[float]) -> float:
+    return sum(rewards[-WINDOW:]) / WINDOW - sum(rewards[:WINDOW]) / WINDOW
