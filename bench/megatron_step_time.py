@@ -260,9 +260,9 @@ def report(figures: Figures, shape: dict[str, Any], steps: int, two_rank_steps: 
         "|---|---|---|---|---|---|---|",
         *(summary_row(name, times, figures["fsdp"]) for name, times in figures.items()),
         "",
-        "thd packs a micro-batch's samples into one sequence and, with no varlen attention kernel in megatron's local "
-        "layer spec, attends through an explicit block-diagonal [T, T] mask: attention costs T^2 for T packed tokens "
-        "where the padded rows (bshd) cost rows x L^2.",
+        "thd packs a micro-batch's samples first-fit into rows of at most packing.PACKED_ROW_TOKENS tokens and, with "
+        "no varlen attention kernel in megatron's local layer spec, attends through an explicit block-diagonal mask "
+        "per row: attention costs rows x W^2 for rows of width W, where the padded rows (bshd) cost rows x L^2.",
     ]
     medians = {name: {kind: statistics.median(v) for kind, v in times.items()} for name, times in figures.items()}
     write_result("megatron_step_time", {"batch": shape, "steps": steps, "two_rank_steps": two_rank_steps,

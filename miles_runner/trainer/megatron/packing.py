@@ -32,7 +32,7 @@ from miles_runner.trainer.routing_replay import NO_ROW, ReplayStats
 NO_SEGMENT = -1  # padding in a packed row
 # Packed rows hold up to this many tokens: the local layer spec attends through an explicit mask, quadratic in a
 # row's width, so one row per micro-batch would cost (batch tokens)^2 (bench/megatron_step_time.py).
-PACKED_ROW_TOKENS = 512
+PACKED_ROW_TOKENS = 256
 
 
 def agreed(*sizes: int) -> list[int]:
