@@ -30,3 +30,13 @@ def start_adapter(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory
     """A PEFT adapter with random A and B (q/k/v sharing A, as megatron's fused linear_qkv): both trainers start
     from it."""
     return save_fused_adapter(tiny_model_path, tmp_path_factory.mktemp("start") / "adapter")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_world_left_behind():
+    """A trainer built in this process creates a one-rank torch.distributed world (parallel.initialize); end it
+    after each module, or the next test that makes its own process group (trainer/ranks.py) would find one."""
+    yield
+    from miles_runner.trainer.megatron import parallel
+
+    parallel.destroy()
