@@ -67,15 +67,17 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     cluster = Cluster()
+    # Distinct ports, one block: separate free_port() calls can return the same port, which Ray refuses.
+    ports = iter(range(free_port_block(3 * nodes + 1), 65536))
     try:
         for k in range(nodes):
             node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "resources": {node_resource(k): 1000},
                          "temp_dir": temp_dir,
                          "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                         "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
-                         "runtime_env_agent_port": free_port()}  # fmt: skip
+                         "dashboard_agent_listen_port": next(ports), "metrics_export_port": next(ports),
+                         "runtime_env_agent_port": next(ports)}  # fmt: skip
             if k == 0:
-                node_args["gcs_server_port"] = free_port()
+                node_args["gcs_server_port"] = next(ports)
             cluster.add_node(**node_args)
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         yield cluster
