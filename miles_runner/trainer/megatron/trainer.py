@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from miles_runner.plan.model import Plan
-from miles_runner.trainer.fsdp import TrainerSettings
+from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, response_values, sequence_log_probs
-from miles_runner.trainer.loss import k3_kl
 from miles_runner.trainer.megatron import lora_export, parallel, raw_lora
 from miles_runner.trainer.megatron.cpu_compat import apply_cpu_adaptations
 from miles_runner.trainer.megatron.model import build_model, routing_layout
@@ -158,17 +157,9 @@ class MegatronTrainer:
         metrics.update(reward_mean=float(rewards.mean()), step=float(self.step), lr=s.adapter.lr)
         return metrics
 
-    def _old_log_probs(self, full: TokenBatch, *, single_step: bool) -> torch.Tensor | None:
-        if self.settings.algorithm.use_rollout_logprobs:
-            if not full.has_rollout_log_probs:
-                raise ValueError("algorithm.use_rollout_logprobs needs every sample's rollout_log_probs")
-            return full.rollout_log_probs
-        return None if single_step else self._log_probs(full)
-
-    def _reward_kl(self, full: TokenBatch, old: torch.Tensor | None, ref: torch.Tensor | None) -> torch.Tensor | None:
-        if not self.estimator.kl_in_reward or ref is None:
-            return None
-        return k3_kl(self._log_probs(full) if old is None else old, ref)
+    # The old policy and the KL in the reward are the FSDP trainer's, over this trainer's _log_probs.
+    _old_log_probs = FSDPTrainer._old_log_probs
+    _reward_kl = FSDPTrainer._reward_kl
 
     def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
                         old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
