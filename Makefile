@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # installed miles-run defaults to ~/.cache/miles-runner.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast lint layers sglang-spec bridge-env bridge-test bench clean
+.PHONY: install run plan test test-fast lint layers sglang-spec bridge-env bridge-test bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -95,6 +95,27 @@ layers: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
+
+# miles-run against TRL's GRPOTrainer + peft on the same work (bench/peers, BENCHMARKS.md). TRL is never a dependency
+# of the project: it lives in a side venv of its own, with these pins (versions that work together), torch first and
+# explicitly as for the main venv, and this project without dependencies (the TRL side calls its task and reward).
+PEERS_VENV := .venv-peers
+PEERS_BIN := $(PEERS_VENV)/bin
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_PY ?= python3.11
+PEERS_PINS := trl==1.16.0 peft==0.21.2 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0
+
+$(PEERS_STAMP): pyproject.toml Makefile
+	test -x $(PEERS_BIN)/python || PYENV_VERSION=3.11 $(PEERS_PY) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/pip install -q --upgrade pip
+	$(PEERS_BIN)/pip install -q torch==2.13.0
+	$(PEERS_BIN)/pip install -q $(PEERS_PINS)
+	$(PEERS_BIN)/pip install -q --no-deps -e .
+	touch $@
+
+# Quick check, leaving BENCHMARKS.md alone: PEERS_ARGS="--runs 1 --steps 3 --out /tmp/peers.md --results /tmp/peers"
+bench-peers: $(PEERS_STAMP) $(STAMP)
+	$(BIN)/python -m bench.peers.run $(PEERS_ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache
