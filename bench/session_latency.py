@@ -28,7 +28,7 @@ from miles_testkit.launch import start_engine
 TURNS = 10
 MAX_TOKENS = 4
 CONCURRENCY = (1, 32)
-ROUNDS_AT_CONCURRENCY_1 = 3
+ROUNDS = 4
 
 
 @contextmanager
@@ -66,50 +66,87 @@ async def play_agent(http: httpx.AsyncClient, chat_url: str, agent: int, latenci
         messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
 
 
-async def measure(engine_url: str, server_url: str, concurrency: int, through_session: bool) -> list[float]:
+async def measure(
+    engine_url: str, server_url: str, concurrency: int, through_session: bool
+) -> tuple[list[float], float]:
+    """One round: `concurrency` agents at once; their per-turn latencies and the round's wall seconds."""
     latencies: list[float] = []
-    rounds = ROUNDS_AT_CONCURRENCY_1 if concurrency == 1 else 1
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
-        for _ in range(rounds):
-            urls = []
-            for _ in range(concurrency):
-                if through_session:
-                    session_id = (await http.post(f"{server_url}/sessions")).json()["session_id"]
-                    urls.append(f"{server_url}/sessions/{session_id}/v1/chat/completions")
-                else:
-                    urls.append(f"{engine_url}/v1/chat/completions")
-            await asyncio.gather(*(play_agent(http, url, i, latencies) for i, url in enumerate(urls)))
-    return latencies
+        urls = []
+        for _ in range(concurrency):
+            if through_session:
+                session_id = (await http.post(f"{server_url}/sessions")).json()["session_id"]
+                urls.append(f"{server_url}/sessions/{session_id}/v1/chat/completions")
+            else:
+                urls.append(f"{engine_url}/v1/chat/completions")
+        started = time.perf_counter()
+        await asyncio.gather(*(play_agent(http, url, i, latencies) for i, url in enumerate(urls)))
+    return latencies, time.perf_counter() - started
 
 
-def percentiles_ms(latencies: list[float]) -> dict[str, float]:
+def summary(latencies: list[float], seconds: float) -> dict[str, float]:
     values = np.asarray(latencies) * 1000
-    return {"p50_ms": round(float(np.percentile(values, 50)), 2), "p99_ms": round(float(np.percentile(values, 99)), 2)}
+    return {
+        "p50_ms": round(float(np.percentile(values, 50)), 2),
+        "p99_ms": round(float(np.percentile(values, 99)), 2),
+        "turns_per_s": round(len(latencies) / seconds, 1),
+    }
+
+
+async def compare(engine_url: str, server_url: str, concurrency: int) -> dict:
+    """ROUNDS rounds each way, interleaved (direct, session, session, direct, ...) so that drift in the
+    machine's load falls on both sides alike."""
+    collected = {"direct": ([], 0.0), "session": ([], 0.0)}
+    for round_index in range(ROUNDS):
+        order = ("direct", "session") if round_index % 2 == 0 else ("session", "direct")
+        for side in order:
+            latencies, seconds = await measure(engine_url, server_url, concurrency, side == "session")
+            kept, total = collected[side]
+            collected[side] = (kept + latencies, total + seconds)
+    direct, session = (summary(*collected[side]) for side in ("direct", "session"))
+    return {
+        "direct": direct,
+        "session": session,
+        "added_p50_ms": round(session["p50_ms"] - direct["p50_ms"], 2),
+        "added_p99_ms": round(session["p99_ms"] - direct["p99_ms"], 2),
+        "added_p99_fraction": round((session["p99_ms"] - direct["p99_ms"]) / direct["p99_ms"], 3),
+        "throughput_ratio": round(session["turns_per_s"] / direct["turns_per_s"], 3),
+    }
 
 
 async def run() -> dict:
-    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "by_concurrency": {}}
+    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "rounds": ROUNDS, "by_concurrency": {}}
     with engine_and_session_server(session_flags=[]) as (engine_url, server_url):
-        await measure(engine_url, server_url, 1, through_session=True)  # warm-up
+        await measure(engine_url, server_url, CONCURRENCY[-1], through_session=True)  # warm-up
         for concurrency in CONCURRENCY:
-            direct = percentiles_ms(await measure(engine_url, server_url, concurrency, through_session=False))
-            session = percentiles_ms(await measure(engine_url, server_url, concurrency, through_session=True))
-            added = {key: round(session[key] - direct[key], 2) for key in direct}
-            results["by_concurrency"][str(concurrency)] = {"direct": direct, "session": session, "added": added}
+            results["by_concurrency"][str(concurrency)] = await compare(engine_url, server_url, concurrency)
     return results
 
 
 def main() -> None:
     results = asyncio.run(run())
+    low, high = (results["by_concurrency"][str(c)] for c in CONCURRENCY)
     lines = [
-        f"Per-turn latency, {TURNS}-turn agents, max_tokens={MAX_TOKENS}, tiny-moe on the embedded engine (CPU).",
+        f"Per-turn latency, {TURNS}-turn agents, max_tokens={MAX_TOKENS}, tiny-moe on the embedded engine (CPU), "
+        f"{ROUNDS} interleaved rounds each way per concurrency.",
         "",
-        "| concurrency | direct p50 / p99 (ms) | session p50 / p99 (ms) | added p50 / p99 (ms) |",
-        "|---|---|---|---|",
+        "| concurrency | direct p50 / p99 (ms) | session p50 / p99 (ms) | added p50 / p99 (ms) "
+        "| added p99 / direct p99 | turns/s direct / session | throughput ratio |",
+        "|---|---|---|---|---|---|---|",
     ]
     for concurrency, row in results["by_concurrency"].items():
-        cells = [f"{row[k]['p50_ms']} / {row[k]['p99_ms']}" for k in ("direct", "session", "added")]
-        lines.append(f"| {concurrency} | " + " | ".join(cells) + " |")
+        direct, session = row["direct"], row["session"]
+        lines.append(
+            f"| {concurrency} | {direct['p50_ms']} / {direct['p99_ms']} | {session['p50_ms']} / {session['p99_ms']} "
+            f"| {row['added_p50_ms']} / {row['added_p99_ms']} | {row['added_p99_fraction']:.1%} "
+            f"| {direct['turns_per_s']} / {session['turns_per_s']} | {row['throughput_ratio']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Targets: added p50 at concurrency 1 < 1 ms: {low['added_p50_ms']} ms; added p99 at "
+        f"{CONCURRENCY[-1]} < 10% of direct: {high['added_p99_fraction']:.1%}; throughput at {CONCURRENCY[-1]} "
+        f">= 90% of direct: {high['throughput_ratio']:.0%}.",
+    ]
     print(write_result("session_latency", results, lines))
 
 

@@ -24,6 +24,9 @@ from typing import Any
 
 import httpx
 
+from miles_runner.engine.aiohttp_transport import AiohttpTransport
+from miles_runner.engine.base64_json import dumps_with_base64
+
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_TIMEOUT_S = 600.0
@@ -68,9 +71,20 @@ def error_message(body: Any, fallback: str) -> str:
 KEEPALIVE_EXPIRY_S = 2.0
 
 
-def pool_limits(max_connections: int = 1024) -> httpx.Limits:
-    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+def http_client(
+    base_url: str, *, timeout_s: float | None, headers: Mapping[str, str] | None = None, max_connections: int = 1024
+) -> httpx.AsyncClient:
+    """The async HTTP client of every caller of our servers and the engines: httpx's API over aiohttp's
+    connection pool (aiohttp_transport.py says why), no proxy from the environment (servers are reached
+    directly; a proxy would break that)."""
+    limits = httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s),
+        transport=AiohttpTransport(limits),
+        trust_env=False,
+    )
 
 
 class EngineClient:
@@ -89,12 +103,11 @@ class EngineClient:
         max_connections: int = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
+        self._http = http_client(
+            self.base_url,
+            timeout_s=timeout_s,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-            timeout=httpx.Timeout(timeout_s),
-            limits=pool_limits(max_connections),
-            trust_env=False,  # engines are reached directly; a proxy from the environment would break that
+            max_connections=max_connections,
         )
 
     def __repr__(self) -> str:
@@ -239,7 +252,9 @@ class EngineClient:
         }
         if pinned:
             body["pinned"] = True
-        return await self._call("POST", "/load_lora_adapter_from_tensors", json=body)
+        # The tensors' base64 is spliced into the JSON rather than scanned by json.dumps (engine/base64_json.py).
+        content = dumps_with_base64(body, "serialized_named_tensors")
+        return await self._call("POST", "/load_lora_adapter_from_tensors", content=content)
 
     async def load_lora_adapter_from_distributed(
         self,
@@ -411,11 +426,15 @@ class EngineClient:
         path: str,
         *,
         json: Any = None,
+        content: bytes | None = None,  # a body already encoded as JSON
         routing_key: str | None = None,
         timeout_s: float | None = None,
     ) -> Any:
+        headers = _routing_headers(routing_key)
+        if content is not None:
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         response = await self.request(
-            method, path, json=json, headers=_routing_headers(routing_key), timeout_s=timeout_s
+            method, path, json=json, content=content, headers=headers, timeout_s=timeout_s
         )
         if response.is_error:
             raise engine_error(response)

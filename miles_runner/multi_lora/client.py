@@ -9,9 +9,7 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-import httpx
-
-from miles_runner.engine.client import pool_limits
+from miles_runner.engine.client import http_client
 from miles_runner.multi_lora.registry import NoFreeSlotError, RegistrySnapshot, UnknownAdapterError
 
 ERRORS_BY_STATUS: dict[int, type[Exception]] = {400: ValueError, 404: UnknownAdapterError, 409: NoFreeSlotError}
@@ -20,12 +18,8 @@ ERRORS_BY_STATUS: dict[int, type[Exception]] = {400: ValueError, 404: UnknownAda
 class ControllerClient:
     def __init__(self, base_url: str, *, api_token: str | None = None, timeout_s: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {api_token}"} if api_token else None,
-            timeout=timeout_s,
-            trust_env=False,  # the controller is on loopback; a proxy from the environment would break that
-            limits=pool_limits(),
+        self._http = http_client(
+            self.base_url, timeout_s=timeout_s, headers={"Authorization": f"Bearer {api_token}"} if api_token else None
         )
 
     async def register_adapter(self, name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:

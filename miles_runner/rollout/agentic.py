@@ -15,9 +15,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
-from miles_runner.engine.client import pool_limits
+from miles_runner.engine.client import http_client
 from miles_runner.plugins.tasks import Message, Prompt
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.session.codec import decode_samples
@@ -38,7 +36,7 @@ class SessionClients:
         import openai
 
         self.url = session_url
-        self.http = httpx.AsyncClient(base_url=session_url, timeout=600, trust_env=False, limits=pool_limits())
+        self.http = http_client(session_url, timeout_s=600)
         self.openai = openai.AsyncOpenAI(base_url=session_url, api_key="local", http_client=self.http)
 
     def agent_client(self, session_id: str) -> Any:

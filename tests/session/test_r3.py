@@ -99,3 +99,77 @@ def test_too_few_rows_for_the_sample_is_rejected():
     records = incremental_records([TURN_1])
     with pytest.raises(ValueError, match=r"cover rows \[0, 6\) but the sample needs 11"):
         assemble_incremental_r3(records, required_rows=11, num_layers=NUM_LAYERS)
+
+
+# ----- the merge against a plain concatenation of every decoded patch ---------------------------------------
+def _reference_merge(records, required_rows: int, num_layers: int) -> np.ndarray:
+    """What the merge must give: every record's decoded patch, concatenated in order, cut at required_rows."""
+    from miles_runner.session.r3 import decode_record_r3
+
+    patches = [decode_record_r3(record, turn, num_layers) for turn, record in enumerate(records)]
+    return np.concatenate([p for p in patches if len(p)])[:required_rows]
+
+
+def _random_session(rng: np.random.Generator, num_layers: int, topk: int):
+    """Records of a random incremental-R3 session (some turns with no new rows) and its full routing."""
+    turns = int(rng.integers(1, 8))
+    added = [int(rng.integers(1, 40)), *(int(n) for n in rng.integers(0, 20, turns - 1))]
+    outputs = [int(n) for n in rng.integers(1, 20, turns)]
+    total = sum(added) + sum(outputs)
+    routing = rng.integers(0, 64, (total - 1, num_layers, topk), dtype=np.int32)
+    records, length = [], 0
+    for new_prompt, new_output in zip(added, outputs, strict=True):
+        prompt = list(range(length + new_prompt))
+        start, length = max(0, length - 1), length + new_prompt + new_output
+        patch = routing[start : length - 1]
+        records.append(make_record(prompt, list(range(new_output)), start_len=start, routed=patch))
+    return records, routing
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_equals_the_concatenated_patches_on_random_sessions(seed):
+    rng = np.random.default_rng(seed)
+    num_layers, topk = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    records, routing = _random_session(rng, num_layers, topk)
+    required = int(rng.integers(0, len(routing) + 1))
+    merged = assemble_incremental_r3(records, required, num_layers)
+    expected = _reference_merge(records, required, num_layers)
+    assert merged.dtype == np.int32 and merged.shape == expected.shape == (required, num_layers, topk)
+    assert merged.tobytes() == expected.tobytes() == routing[:required].tobytes()
+
+
+def test_the_merged_tensor_is_its_own_memory():
+    records = incremental_records([TURN_1, TURN_2])
+    merged = assemble_incremental_r3(records, required_rows=11, num_layers=NUM_LAYERS)
+    assert merged.flags.c_contiguous and merged.flags.writeable
+    merged[:] = -1  # the records' payloads are untouched
+    assert assemble_incremental_r3(records, 11, NUM_LAYERS).tobytes() == routing_rows(11).tobytes()
+
+
+def test_a_stop_edge_row_on_the_last_patch_is_dropped():
+    first = incremental_records([TURN_1])[0]
+    edge = make_record(*TURN_2, start_len=6, routed=routing_rows(6, offset=6))  # rows [6, 12): one past the end
+    merged = assemble_incremental_r3([first, edge], required_rows=11, num_layers=NUM_LAYERS)
+    assert merged.tobytes() == routing_rows(11).tobytes()
+
+
+def test_an_error_of_a_later_turn_comes_before_a_top_k_disagreement():
+    first = incremental_records([TURN_1])[0]
+    wider = make_record(*TURN_2, start_len=6)
+    wider.meta_info["routed_experts"] = encode_routed_experts(np.zeros((5, NUM_LAYERS, 4), dtype=np.int32))
+    gapped = make_record([*TURN_2[0], 10, 11, 12, 13], [14], start_len=13, routed=routing_rows(4, offset=13))
+    with pytest.raises(ValueError, match=r"turn 2 starts at row 13 .* gap over rows \[11, 13\)"):
+        assemble_incremental_r3([first, wider, gapped], required_rows=16, num_layers=NUM_LAYERS)
+
+
+def test_too_few_rows_comes_before_a_top_k_disagreement():
+    first = incremental_records([TURN_1])[0]
+    wider = make_record(*TURN_2, start_len=6)
+    wider.meta_info["routed_experts"] = encode_routed_experts(np.zeros((5, NUM_LAYERS, 4), dtype=np.int32))
+    with pytest.raises(ValueError, match=r"cover rows \[0, 11\) but the sample needs 20"):
+        assemble_incremental_r3([first, wider], required_rows=20, num_layers=NUM_LAYERS)
+
+
+def test_a_negative_row_count_is_refused_by_name():
+    with pytest.raises(ValueError, match="required_rows must be >= 0, got -1"):
+        assemble_incremental_r3(incremental_records([TURN_1]), required_rows=-1, num_layers=NUM_LAYERS)
