@@ -64,6 +64,8 @@ class ModelRunner:
         self.top_k: int = int(getattr(text_config, "num_experts_per_tok", 0) or 0)
         self._routing_capture: dict[int, torch.Tensor] = {}
         self.moe_layers = self._hook_routers()
+        self._mixable_for: tuple = ()  # the (name, config) of the loaded adapters _mixable was found for
+        self._mixable = True
         self.peft = self._wrap_for_lora(lora_target_modules) if enable_lora else None
 
     # ----- routing capture -------------------------------------------------------------------------------
@@ -140,10 +142,11 @@ class ModelRunner:
     def _call_model(self, adapters: list[str | None], kwargs: dict):
         if self.peft is None:
             return self.model(**kwargs)
-        if self._adapters_mix_in_one_pass():
+        if len(set(adapters)) > 1 and self._adapters_mix_in_one_pass():
             # PeftModel.forward routes each row through its own adapter via peft's mixed-batch hooks.
             return self.peft(**kwargs, adapter_names=[a or BASE_ADAPTER for a in adapters])
-        # One adapter per pass; the zero placeholder stands in for "no adapter".
+        # One adapter per pass (every row's, the common case, without the per-row hooks of a mixed batch); the zero
+        # placeholder stands in for "no adapter".
         self.peft.set_adapter(adapters[0] or PLACEHOLDER_ADAPTER)
         return self.peft(**kwargs)
 
@@ -156,9 +159,18 @@ class ModelRunner:
         return get_peft_model(self.model, placeholder, adapter_name=PLACEHOLDER_ADAPTER).eval()
 
     def _adapters_mix_in_one_pass(self) -> bool:
-        from peft.tuners.lora.layer import ParamWrapper
+        """Whether no loaded adapter wraps parameters; asked every forward, so the module walk runs only when the
+        set of loaded adapters has changed since the last answer."""
+        loaded = tuple(self.peft.peft_config.items())  # held: a config object is never mistaken for a later one
+        if len(loaded) != len(self._mixable_for) or any(
+            name != seen or config is not seen_config
+            for (name, config), (seen, seen_config) in zip(loaded, self._mixable_for, strict=True)
+        ):
+            from peft.tuners.lora.layer import ParamWrapper
 
-        return not any(isinstance(m, ParamWrapper) for m in self.peft.modules())
+            self._mixable = not any(isinstance(m, ParamWrapper) for m in self.peft.modules())
+            self._mixable_for = loaded
+        return self._mixable
 
     def load_adapter_from_path(self, name: str, path: str) -> None:
         self._require_lora().load_adapter(path, adapter_name=name, is_trainable=False)
@@ -168,9 +180,14 @@ class ModelRunner:
         from peft import set_peft_model_state_dict
 
         peft = self._require_lora()
-        peft.add_adapter(name, _inference_lora_config(config_dict))
+        # The adapter's weights start on the meta device and the received tensors become them (assign): no random
+        # init of weights about to be overwritten, and no copy (bench/adapter_sync_bandwidth.py). The callers pass
+        # tensors they just decoded or received, which nothing else holds.
+        peft.add_adapter(name, _inference_lora_config(config_dict), low_cpu_mem_usage=True)
+        dtype = self.model.dtype  # as a copy into the adapter's own weights would have cast them
         try:
-            result = set_peft_model_state_dict(peft, tensors, adapter_name=name)
+            owned = {key: tensor.to(dtype) for key, tensor in tensors.items()}
+            result = set_peft_model_state_dict(peft, owned, adapter_name=name, low_cpu_mem_usage=True)
         except Exception as exc:  # shapes that do not fit the config: the request's fault, a 400
             peft.delete_adapter(name)
             raise ValueError(f"adapter tensors do not match the config: {exc}") from exc

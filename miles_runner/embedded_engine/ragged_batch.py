@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(frozen=True)
@@ -65,26 +66,29 @@ class RaggedLayout:
         return (valid & causal[None, None]) | itself[None, None]
 
     def stack_cache(self, caches: list[list[tuple[torch.Tensor, torch.Tensor]] | None], num_layers: int, like):
-        """Left-pad per-row caches (each ``(heads, len, dim)`` per layer) into ``(k, v)`` batch tensors."""
+        """Left-pad per-row caches (each ``(heads, len, dim)`` per layer) into ``(k, v)`` batch tensors
+        ``(B, heads, C, dim)``: one padding op per tensor, not one copy per row (rows without a cache are all pad)."""
         heads, dim = like
-        batch, cw = len(caches), self.cache_width
-        stacked = []
-        for layer in range(num_layers):
-            keys = torch.zeros(batch, heads, cw, dim)
-            values = torch.zeros(batch, heads, cw, dim)
-            for row, cache in enumerate(caches):
-                c = self.cache_lens[row]
-                if c:
-                    keys[row, :, cw - c :] = cache[layer][0]
-                    values[row, :, cw - c :] = cache[layer][1]
-            stacked.append((keys, values))
-        return stacked
+        empty = torch.zeros(0, heads, dim)
+
+        def padded(layer: int, part: int) -> torch.Tensor:
+            rows = [cache[layer][part].transpose(0, 1) if c else empty
+                    for cache, c in zip(caches, self.cache_lens, strict=True)]  # (len, heads, dim) each
+            batch = pad_sequence(rows, batch_first=True, padding_side="left")  # (B, max len, heads, dim)
+            return batch.transpose(1, 2)
+
+        if self.cache_width == 0:
+            return [(torch.zeros(len(caches), heads, 0, dim),) * 2 for _ in range(num_layers)]
+        return [(padded(layer, 0), padded(layer, 1)) for layer in range(num_layers)]
 
     def split_cache(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], row: int):
-        """Row ``row``'s cache after the forward: its old real columns plus its new real columns."""
-        cw = self.cache_width
-        old = slice(cw - self.cache_lens[row], cw)
-        new = slice(cw + self.new_pad(row), None)
+        """Row ``row``'s cache after the forward: its old real columns plus its new real columns. Where they are
+        adjacent (no padding between: every decode step, every first prefill) it is a view, not a copy."""
+        cw, c, pad = self.cache_width, self.cache_lens[row], self.new_pad(row)
+        if pad == 0 or c == 0:
+            real = slice(cw - c, None) if pad == 0 else slice(cw + pad, None)
+            return [(k[row, :, real], v[row, :, real]) for k, v in layer_kv]
+        old, new = slice(cw - c, cw), slice(cw + pad, None)
         return [
             (torch.cat([k[row, :, old], k[row, :, new]], dim=1), torch.cat([v[row, :, old], v[row, :, new]], dim=1))
             for k, v in layer_kv

@@ -15,7 +15,10 @@ trainer's, which still holds exactly the pushed adapter, before it trains furthe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.tracking.tracker import Tracker
 from miles_runner.trainer.ranks import make_trainer
+
+STARTUP_FILE = "startup.json"
 
 
 class StaleSamplesError(RuntimeError):
@@ -67,13 +72,41 @@ class SingleAdapterLoop:
     def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False):
         self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
         self.freeze_adapter = FREEZE_ROLLOUT_ADAPTER in warn_fault_switches()
+        self.stamps: dict[str, float] = {}  # start-up milestones (epoch seconds): RUN_DIR/startup.json
 
     def run(self) -> list[dict[str, Any]]:
-        with make_executor(self.plan, self.run_dir) as deployment:
-            return asyncio.run(self._loop(deployment))
+        self._stamp("loop_started")
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-build") as pool:
+                early = pool.submit(self._make_trainer, None) if self._trainer_builds_early() else None
+                with make_executor(self.plan, self.run_dir) as deployment:
+                    self._stamp("engines_ready")
+                    return asyncio.run(self._loop(deployment, early))
+        finally:
+            self._stamp("loop_ended")
+            with contextlib.suppress(OSError):  # a figure for benches: never the reason a run fails
+                (self.run_dir / STARTUP_FILE).write_text(json.dumps(self.stamps, indent=1))
 
-    async def _loop(self, deployment) -> list[dict[str, Any]]:
-        trainer = make_trainer(self.plan, self.run_dir, deployment.remote_ranks)  # ranks on other nodes: their agents
+    def _stamp(self, milestone: str) -> None:
+        self.stamps.setdefault(milestone, time.time())
+
+    def _trainer_builds_early(self) -> bool:
+        """A CPU plan's one trainer rank loads while the engines start: both are mostly imports and a model load, each
+        on a core of its own (bench/single_turn_step.py's start-up figures). Ranks in other processes need the
+        deployment, and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself."""
+        return self.plan.cluster.cpu_only and self.plan.trainer.parallel.world_size <= 1
+
+    def _make_trainer(self, remote_ranks: Any):
+        trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents
+        self._stamp("trainer_built")
+        return trainer
+
+    async def _loop(self, deployment, early: Future | None = None) -> list[dict[str, Any]]:
+        if early is not None:
+            trainer = await asyncio.wrap_future(early)
+        else:
+            trainer = self._make_trainer(deployment.remote_ranks)
+        self._stamp("trainer_ready")
         try:
             return await self._run_with(trainer, deployment)
         finally:
@@ -96,9 +129,11 @@ class SingleAdapterLoop:
         self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.sync.max_logprob_gap)
                       if plan.sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
+        self._stamp("rollout_ready")
         try:
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
             await self._push(sync, self.initial_adapter, trainer, start, what=f"the push before step {start}")
+            self._stamp("first_push_done")
             await self._steps(trainer, sync, ctx, stream, start)
             trainer.save_adapter(self.run_dir / "adapter")
         finally:
@@ -112,6 +147,7 @@ class SingleAdapterLoop:
         plan, total = self.plan, self.plan.batch.num_steps
         overlap = plan.sync.driver == "async"
         pending = self._start_rollout(ctx, stream) if start < total else None
+        step_started = time.perf_counter()  # a step's seconds run to its record from the previous one's
         for step in range(start, total):  # the trainer holds weight version `step` (steps trained so far)
             self.tracker.phase(step, "rollout")
             samples, rollout_metrics = await pending
@@ -131,8 +167,11 @@ class SingleAdapterLoop:
                 self.tracker.phase(step, "sync")
                 sync_metrics = await self._sync(trainer, sync, step + 1)
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
-            record.update({"weight_version": self.engine_version, **sync_metrics})
+            record.update({"weight_version": self.engine_version, **sync_metrics,
+                           "step/seconds": time.perf_counter() - step_started})
+            step_started = time.perf_counter()
             self.tracker.step_done(step, record)
+            self._stamp("first_step_done")
             if self._checkpoint_due(step + 1):
                 self.tracker.phase(step, "checkpoint")
                 self._checkpoint(trainer, stream, step + 1, taken_ahead=pending is not None)

@@ -1,4 +1,9 @@
-"""Single-turn rollout: one `/generate` per sample (token in, token out), n samples per prompt, group-ordered.
+"""Single-turn rollout: one batch `/generate` per prompt group (token in, token out), n samples per prompt,
+group-ordered.
+
+A group is one request whose `input_ids` lists the prompt n times with one rid per sample (SGLang's batch form,
+answered as a list in input order), not n requests: per sample it is what n single requests would be (the same
+rids, sampling params, logprobs and routed experts), for an eighth of the HTTP round trips and request parsing.
 
 A prompt's group goes to one engine (engine/workers.py: least-loaded over the router's healthy workers, else
 the plan's engines), so its samples share the prompt's prefix cache and groups spread over every engine. The
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 from miles_runner.engine import response
 from miles_runner.engine.client import EngineClient
@@ -29,15 +35,22 @@ async def sample_group(ctx: RolloutContext, prompt: Prompt) -> list[Sample]:
     """The prompt's n samples, all generated on the one worker the group is pinned to while in flight."""
     group = f"p{prompt.index}-{uuid.uuid4().hex[:8]}"
     async with ctx.workers.lease(group) as engine:
-        n = ctx.plan.batch.n_samples_per_prompt
-        return list(await asyncio.gather(*(sample_one(ctx, engine, prompt, f"{group}-s{k}") for k in range(n))))
+        rids = [f"{group}-s{k}" for k in range(ctx.plan.batch.n_samples_per_prompt)]
+        fields = {"lora_path": ctx.lora_name} if ctx.lora_name else {}
+        return await generate_group(ctx, engine, prompt, rids, fields)
 
 
-async def sample_one(ctx: RolloutContext, engine: EngineClient, prompt: Prompt, rid: str) -> Sample:
-    fields = {"rid": rid}
-    if ctx.lora_name:
-        fields["lora_path"] = ctx.lora_name
-    return await generate_sample(ctx, engine, prompt, fields)
+async def generate_group(
+    ctx: RolloutContext, engine: EngineClient, prompt: Prompt, rids: list[str], request_fields: dict[str, str]
+) -> list[Sample]:
+    """One batch /generate of `prompt` once per rid on `engine` (`request_fields`, e.g. lora_path, apply to every
+    item, as SGLang expands a single value over the batch), scored: one sample per rid, in rid order."""
+    prompt_ids = ctx.tokenizer.first_turn_ids(prompt.messages, None, {})
+    payload = {**_payload(ctx, [prompt_ids] * len(rids)), **request_fields, "rid": rids}
+    results = await engine.generate(payload)
+    if not isinstance(results, list) or len(results) != len(rids):
+        raise ValueError(f"a batch /generate of {len(rids)} items was answered with {_count(results)}")
+    return [_scored_sample(ctx, prompt, prompt_ids, result) for result in results]
 
 
 async def generate_sample(
@@ -45,15 +58,22 @@ async def generate_sample(
 ) -> Sample:
     """One /generate of `prompt` on `engine` with `request_fields` (rid, and lora_path/extra_key when set), scored."""
     prompt_ids = ctx.tokenizer.first_turn_ids(prompt.messages, None, {})
-    payload = {
-        "input_ids": prompt_ids,
-        "sampling_params": ctx.sampling_params(),
-        "return_logprob": True,
-        **request_fields,
-    }
+    result = await engine.generate({**_payload(ctx, prompt_ids), **request_fields})
+    return _scored_sample(ctx, prompt, prompt_ids, result)
+
+
+def _payload(ctx: RolloutContext, input_ids: list[int] | list[list[int]]) -> dict[str, Any]:
+    payload = {"input_ids": input_ids, "sampling_params": ctx.sampling_params(), "return_logprob": True}
     if ctx.routed_experts_layers is not None:
         payload["return_routed_experts"] = True
-    result = await engine.generate(payload)
+    return payload
+
+
+def _count(results: Any) -> str:
+    return f"{len(results)} results" if isinstance(results, list) else "a single result"
+
+
+def _scored_sample(ctx: RolloutContext, prompt: Prompt, prompt_ids: list[int], result: dict[str, Any]) -> Sample:
     output_ids, log_probs = response.output_token_logprobs(result)
     routed = None
     if ctx.routed_experts_layers is not None:

@@ -27,6 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from miles_runner.plan.model import Launch, Plan
@@ -52,6 +53,11 @@ REPLAYED = frozenset({
 def build_trainer(plan: Plan) -> Any:
     """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, the Megatron trainer for
     trainer=megatron, else the FSDP trainer."""
+    if plan.cluster.cpu_only:
+        # One intra-op thread per rank, as the embedded engine has: each holds one CPU slot, the matrices are tiny,
+        # and two OpenMP threads wait at every op's barrier for a core the engine or another rank is using
+        # (bench/single_turn_step.py: train 0.82 s with two threads, 0.15 s with one, on the loaded 2-core machine).
+        torch.set_num_threads(1)
     if plan.capabilities.multi_lora:
         return MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
     if plan.trainer.backend == "megatron":

@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+pytestmark = pytest.mark.integration
+
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 
@@ -163,3 +165,23 @@ async def test_meta_info_carries_the_weight_version_and_rid(client):
     info = (await client.get("/model_info")).json()
     assert out["meta_info"]["id"] == "my-rid-1"
     assert out["meta_info"]["weight_version"] == info["weight_version"]
+
+
+async def test_a_batch_of_one_prompt_gives_each_item_what_a_single_request_with_its_seed_gives(client):
+    """The single-turn rollout's group request (rollout/single_turn.py): the prompt once per sample in one batch,
+    sampled; per item the tokens, logprobs and routed experts of a request of its own."""
+    seeded = [{"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 40 + k} for k in range(4)]
+    fields = {"return_logprob": True, "return_routed_experts": True}
+    rids = [f"g-s{k}" for k in range(4)]
+    batch = await generate(client, input_ids=[PROMPT_IDS] * 4, sampling_params=seeded, rid=rids, **fields)
+    singles = [await generate(client, input_ids=PROMPT_IDS, sampling_params=params, **fields) for params in seeded]
+    assert [item["meta_info"]["id"] for item in batch] == rids
+    assert [item["output_ids"] for item in batch] == [single["output_ids"] for single in singles]
+    assert len({tuple(item["output_ids"]) for item in batch}) > 1  # sampled: the seeds matter
+    for item, single in zip(batch, singles, strict=True):
+        mine, alone = item["meta_info"], single["meta_info"]
+        assert [t[1] for t in mine["output_token_logprobs"]] == [t[1] for t in alone["output_token_logprobs"]]
+        assert [t[0] for t in mine["output_token_logprobs"]] == pytest.approx(
+            [t[0] for t in alone["output_token_logprobs"]], abs=1e-5
+        )
+        assert mine["routed_experts"] == alone["routed_experts"]

@@ -30,6 +30,8 @@ from miles_testkit.launch import engine_url, start_engine
 from .engines import EMBEDDED, ENGINE_START_TIMEOUT_S, TEST_ENV
 from .test_contract import EMBEDDED_LONG_TOKENS
 
+pytestmark = pytest.mark.integration
+
 
 @dataclass(frozen=True)
 class EmbeddedRoute:
@@ -44,9 +46,10 @@ def _routes(app) -> dict[str, EmbeddedRoute]:
         if isinstance(route, APIRoute):
             [*params] = route.dependant.body_params
             body = params[0].field_info if params else None
-            routes[_path(route.path)] = EmbeddedRoute(
-                frozenset(route.methods), body.annotation if body else None, bool(body and body.is_required())
-            )
+            model, required = (body.annotation, body.is_required()) if body else (None, False)
+            if body is None and hasattr(route.endpoint, "body_model"):  # a route that validates its body itself
+                model, required = route.endpoint.body_model, True
+            routes[_path(route.path)] = EmbeddedRoute(frozenset(route.methods), model, required)
     return routes
 
 

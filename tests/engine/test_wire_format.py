@@ -37,7 +37,7 @@ from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.rollout.agentic import SessionClients, play_episode
 from miles_runner.rollout.context import RolloutContext
-from miles_runner.rollout.single_turn import generate_sample
+from miles_runner.rollout.single_turn import generate_group, generate_sample
 from miles_runner.session.app import create_app as create_session_app
 from miles_runner.session.config import SessionServerConfig
 from miles_testkit.contract import CONTRACT_ADAPTER, CONTRACT_CHECKS, ContractTarget, run_contract
@@ -47,6 +47,8 @@ from miles_testkit.contract.wire_check import SentRequest, check_request, check_
 from miles_testkit.servers import RecordingProxy, ThreadedServer
 
 from .test_contract import EMBEDDED_LONG_TOKENS
+
+pytestmark = pytest.mark.integration
 
 # The contract's malformed-request checks send bad bodies on purpose (the wire check flags them, rightly).
 WELL_FORMED_CHECKS = [check for check in CONTRACT_CHECKS if check.__module__ != contract_errors.__name__]
@@ -261,7 +263,13 @@ async def test_single_turn_rollout_requests_speak_stock_sglang(recording_proxy, 
         await generate_sample(ctx, engine, prompt, {"rid": "wire-single", "lora_path": CONTRACT_ADAPTER})
         # A multi-LoRA request: the slot, a `name::` rid and the adapter version's cache namespace.
         await generate_sample(ctx, engine, prompt, adapter_request_fields("wire", CONTRACT_ADAPTER, 3))
-    assert recording_proxy.paths() == ["/generate", "/generate"]
+        # A prompt group: one batch request, the prompt once per rid; a sample per rid, in rid order.
+        group = await generate_group(ctx, engine, prompt, ["wire-g-s0", "wire-g-s1"], {"lora_path": CONTRACT_ADAPTER})
+    assert recording_proxy.paths() == ["/generate"] * 3
+    batch = recording_proxy.sent[-1].body
+    prompt_ids = group[0].tokens[: -group[0].response_length]
+    assert batch["rid"] == ["wire-g-s0", "wire-g-s1"] and batch["input_ids"] == [prompt_ids] * 2
+    assert len(group) == 2 and all(len(s.rollout_log_probs) == s.response_length for s in group)
     assert _problems(sglang_spec, recording_proxy, STOCK) == []
 
 

@@ -55,6 +55,17 @@ def test_run_logs_one_metrics_record_per_step_with_weight_versions(finished_run)
         assert record["verify/logprob_gap"] < 1e-3  # every batch is the first one of a push, and verified
 
 
+def test_run_times_each_step_and_its_start_up_milestones_in_order(finished_run):
+    steps = records(finished_run)
+    for record in steps:  # a step's seconds hold its rollout, train and sync (and the rest of the step)
+        assert record["step/seconds"] >= record["rollout/seconds"] + record["train/seconds"] + record["sync/seconds"]
+    stamps = json.loads((finished_run / "startup.json").read_text())
+    order = ["loop_started", "engines_ready", "trainer_ready", "rollout_ready", "first_push_done", "first_step_done",
+             "loop_ended"]  # fmt: skip
+    assert [stamps[name] for name in order] == sorted(stamps[name] for name in order)
+    assert stamps["loop_started"] < stamps["trainer_built"] <= stamps["trainer_ready"]
+
+
 def test_run_leaves_plot_checkpoints_and_offline_wandb(finished_run):
     assert (finished_run / "metrics.png").stat().st_size > 1000
     assert sorted(p.name for p in (finished_run / "checkpoints").iterdir()) == ["step_1", "step_2"]

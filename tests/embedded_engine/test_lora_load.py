@@ -1,0 +1,69 @@
+"""The model runner's adapter load from tensors (in-process, no server): the received tensors become the
+adapter's weights in the engine's dtype, and a refused load leaves nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_moe_dir: Path):
+    from miles_runner.embedded_engine.model_runner import ModelRunner
+
+    return ModelRunner(str(tiny_moe_dir), enable_lora=True, lora_target_modules=ATTENTION)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_moe_dir: Path) -> tuple[dict, dict]:
+    """(config dict, peft state dict) of a random rank-4 attention adapter, as the trainer hands it over."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False))
+    tensors = {name: t.detach().clone() for name, t in get_peft_model_state_dict(model).items()}
+    config = model.peft_config["default"].to_dict()
+    return {**config, "target_modules": sorted(config["target_modules"])}, tensors
+
+
+def adapter_weights(runner, name: str) -> dict[str, torch.Tensor]:
+    return {key: p for key, p in runner.peft.named_parameters() if f".{name}." in key}
+
+
+def test_loaded_weights_are_the_tensors_given(runner, adapter):
+    from peft import get_peft_model_state_dict
+
+    config, tensors = adapter
+    runner.load_adapter_from_tensors("exact", config, tensors)
+    try:
+        loaded = get_peft_model_state_dict(runner.peft, adapter_name="exact")
+        assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    finally:
+        runner.unload_adapter("exact")
+
+
+def test_bfloat16_tensors_load_in_the_engines_float32(runner, adapter):
+    config, tensors = adapter
+    runner.load_adapter_from_tensors("bf16", config, {k: t.to(torch.bfloat16) for k, t in tensors.items()})
+    try:
+        weights = adapter_weights(runner, "bf16")
+        assert weights and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in weights.values())
+    finally:
+        runner.unload_adapter("bf16")
+
+
+def test_a_refused_load_leaves_no_adapter_and_the_name_free(runner, adapter):
+    config, tensors = adapter
+    incomplete = dict(list(tensors.items())[1:])
+    with pytest.raises(ValueError, match="do not match the config"):
+        runner.load_adapter_from_tensors("partial", config, incomplete)
+    assert "partial" not in runner.peft.peft_config and not adapter_weights(runner, "partial")
+    assert not any(p.is_meta for p in runner.peft.parameters())
+    runner.load_adapter_from_tensors("partial", config, tensors)
+    runner.unload_adapter("partial")
