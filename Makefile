@@ -79,12 +79,14 @@ plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
 # The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
+# --durations: every run prints its 15 slowest tests (where the suite's time goes).
 test: layers sglang-spec bridge-env
-	$(BIN)/python -m pytest -q --ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory bridge-test
 
+# The inner loop (under 2 minutes): the unit tests, no servers, processes or training runs.
 test-fast: layers sglang-spec
-	$(BIN)/python -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
 
 lint: layers
 	$(BIN)/ruff check .

@@ -7,6 +7,8 @@ import pytest
 
 from bench import adapter_sync_bandwidth as bench
 
+pytestmark = pytest.mark.integration
+
 QWEN = bench.QWEN25_05B_SHAPE
 HEAD_DIM = QWEN["hidden_size"] // QWEN["num_attention_heads"]
 

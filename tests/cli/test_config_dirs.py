@@ -13,6 +13,8 @@ from miles_runner.config.compose import RECIPES_DIR, compose
 from miles_runner.config.sources import searchpath_entries, with_searchpath
 from miles_runner.plan.record import read_plan
 
+pytestmark = pytest.mark.integration
+
 USER_RECIPE = """\
 # @package _global_
 # My recipe: the CPU default on my own model option, three steps.

@@ -12,6 +12,8 @@ from miles_runner.cli.main import main
 from miles_runner.config.hydra_settings import hydra_setting_problems
 from miles_runner.plan.record import read_plan
 
+pytestmark = pytest.mark.integration
+
 RECIPE = "+recipe=tiny_lora_agentic"
 
 

@@ -14,6 +14,8 @@ from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.record import read_plan
 
+pytestmark = pytest.mark.integration
+
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "miles_runner.cli", *args], cwd=cwd, capture_output=True, text=True)

@@ -14,6 +14,8 @@ import pytest
 from miles_runner.procs.ports import free_port_block, port_is_free
 from miles_runner.tracking.job_result import FAILED, INTERRUPTED, read_records, read_result
 
+pytestmark = pytest.mark.integration
+
 DRIVER_FRAME = "miles_runner/loops/run.py"  # every traceback of a failed run passes through the dispatcher
 
 

@@ -25,6 +25,8 @@ from miles_runner.cli.sweep_summary import (
 from miles_runner.procs.ports import free_port_block
 from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, read_records, write_result
 
+pytestmark = pytest.mark.integration
+
 DRIVER_FRAME = "miles_runner/loops/run.py"  # in every traceback of a failed run: it belongs in driver.log
 
 

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 IDS = [5, 6, 7]
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

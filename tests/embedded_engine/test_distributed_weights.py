@@ -25,6 +25,8 @@ from miles_runner.procs.ports import LOOPBACK, free_port
 
 from .server_process import EngineProcess, start_engine
 
+pytestmark = pytest.mark.integration
+
 DIST_TIMEOUT_S = 3
 GROUP = "test_group"
 PROMPT = {"input_ids": [5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}

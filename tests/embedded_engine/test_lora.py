@@ -11,6 +11,8 @@ from miles_runner.embedded_engine.lora_registry import serialize_lora_tensors
 
 from .conftest import MAX_LORA_RANK
 
+pytestmark = pytest.mark.integration
+
 PROMPT_IDS = [5, 6, 7, 8, 9, 10]
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0}
 

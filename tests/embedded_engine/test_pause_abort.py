@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 PROMPT_IDS = [5, 6, 7, 8]
 LONG = {"max_new_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
 STARTED_S = 0.4  # long enough for a request to be admitted and produce tokens

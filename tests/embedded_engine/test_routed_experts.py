@@ -9,6 +9,8 @@ import pytest
 
 from miles_runner.engine.routed_experts import decode_routed_experts, encode_routed_experts
 
+pytestmark = pytest.mark.integration
+
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11]
 LAYERS, TOPK, EXPERTS = 2, 2, 8
 

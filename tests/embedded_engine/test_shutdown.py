@@ -7,8 +7,11 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from .server_process import start_engine
+
+pytestmark = pytest.mark.integration
 
 SHUTDOWN_LIMIT_S = 10
 

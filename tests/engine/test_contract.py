@@ -23,6 +23,8 @@ from miles_testkit.contract import (
     run_contract,
 )
 
+pytestmark = pytest.mark.integration
+
 # Long enough to still be running well after its first token on CPU, short enough to finish after a pause.
 EMBEDDED_LONG_TOKENS = 128
 

@@ -12,6 +12,8 @@ from miles_testkit.launch import argv_flag, engine_url, start_engine
 
 from .engines import TEST_ENV, plain_engine_argv
 
+pytestmark = pytest.mark.integration
+
 
 def test_argv_flag_reads_both_spellings_and_the_last_wins() -> None:
     argv = ["python", "-m", "sglang.launch_server", "--port", "1", "--host=10.0.0.2", "--port=2"]

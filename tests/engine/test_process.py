@@ -13,6 +13,8 @@ import pytest
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import LOG_TAIL_LINES, ManagedProcess, ProcessGroup, ProcessStartError
 
+pytestmark = pytest.mark.integration
+
 
 def python(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]

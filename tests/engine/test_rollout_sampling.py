@@ -4,6 +4,8 @@ engine receives is read from the RecordingProxy (a test instrument that forwards
 
 from __future__ import annotations
 
+import pytest
+
 from miles_runner.config.compose import compose
 from miles_runner.engine.client import EngineClient
 from miles_runner.engine.workers import WorkerPool
@@ -14,6 +16,8 @@ from miles_runner.rollout.single_turn import generate_sample
 from miles_runner.session.app import create_app as create_session_app
 from miles_runner.session.config import SessionServerConfig
 from miles_testkit.servers import ThreadedServer
+
+pytestmark = pytest.mark.integration
 
 SAMPLING = {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.8, "top_k": 5}
 # The plain tiny model, which the `tiny_moe_dir` fixture builds and the contract engine serves.

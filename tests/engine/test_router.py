@@ -22,6 +22,8 @@ from miles_testkit.launch import engine_process, engine_url, start_router
 
 from .engines import ENGINE_START_TIMEOUT_S, TEST_ENV, plain_engine_argv
 
+pytestmark = pytest.mark.integration
+
 ENGINE_NAMES = ("engine-a", "engine-b")
 
 

@@ -12,6 +12,8 @@ from miles_runner.plan.compile import compile_design
 from miles_testkit.contract.sglang_args import launch_flags
 from miles_testkit.contract.sglang_spec import pinned_wheel
 
+pytestmark = pytest.mark.integration
+
 GPU = ["cluster=gpu_1x", "engine=sglang"]
 GPU_SETTINGS = [
     *GPU, "engine.mem_fraction_static=0.7", "engine.dp_attention=true", "engine.enable_cuda_graph=false",

@@ -13,7 +13,7 @@ from miles_runner.executors.local import EngineLostError, LocalExecutor
 
 from .test_local_executor import tiny_plan, wait_gone
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.integration]
 
 
 def kill_engine(executor: LocalExecutor, index: int) -> int:

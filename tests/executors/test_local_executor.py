@@ -19,6 +19,8 @@ from miles_runner.procs.launch import PortBusyError
 from miles_runner.procs.ports import free_port, free_port_block
 from miles_runner.procs.process import ProcessStartError
 
+pytestmark = pytest.mark.integration
+
 
 def pid_alive(pid: int) -> bool:
     try:

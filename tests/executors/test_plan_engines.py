@@ -18,6 +18,8 @@ from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import free_port_block
 from miles_runner.procs.process import ProcessStartError
 
+pytestmark = pytest.mark.integration
+
 SERVED_NAME = "tiny-served"
 CONTEXT = 40
 SEED = 77

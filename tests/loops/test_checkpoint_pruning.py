@@ -24,6 +24,8 @@ from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
 from tests.multi_lora.helpers import run
 
+pytestmark = pytest.mark.integration
+
 SAVES = 4
 TINY = "model.path=tiny:tiny-moe"  # the plain tiny model: built here, and its tokenizer is the rollout's
 

@@ -14,6 +14,8 @@ from miles_runner.lora.sync import make_sync
 from .conftest import DIST_TIMEOUT_S
 from .engine_probe import greedy_logprobs, is_paused, served_adapters, start_long_request
 
+pytestmark = pytest.mark.integration
+
 LORA = "broadcast_lora"
 
 

@@ -17,6 +17,8 @@ from miles_runner.lora.verify import SyncVerificationError, check_engine_version
 from .conftest import Adapter, lora_engine
 from .engine_probe import is_paused, served_adapters
 
+pytestmark = pytest.mark.integration
+
 MAX_GAP = 0.01  # the embedded engine's default weight_sync.max_logprob_gap
 
 

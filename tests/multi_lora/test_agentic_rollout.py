@@ -36,6 +36,8 @@ from miles_runner.session.tito import TitoTokenizer
 
 from .helpers import LIMITS, defaults, eventually, run, serve, snapshot
 
+pytestmark = pytest.mark.integration
+
 LONG = 1500  # new tokens: a turn that stays in flight until it is aborted
 
 

@@ -21,6 +21,8 @@ from miles_runner.procs.ports import free_port
 
 from .helpers import LIMITS, abort_recorder, defaults, serve
 
+pytestmark = pytest.mark.integration
+
 TOKEN = "s3cret"
 
 

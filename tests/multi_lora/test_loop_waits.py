@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from miles_runner.config.compose import compose
 from miles_runner.loops.multi_lora import MultiLoRALoop
 from miles_runner.loops.multi_lora.records import make_tracker
@@ -21,6 +23,8 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 
 from .helpers import group, run, serve, snapshot
+
+pytestmark = pytest.mark.integration
 
 STILL_WAITING_S = 0.5  # long enough for a loop that would not wait to have returned
 RETURNED_S = 30.0  # a loop that waits briefly returns well within this

@@ -16,6 +16,8 @@ from miles_runner.plan.model import plan_to_dict
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
 
+pytestmark = pytest.mark.integration
+
 MODULE = "miles_runner.multi_lora.http_server"
 
 

@@ -12,6 +12,8 @@ from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
 
+pytestmark = pytest.mark.integration
+
 GROUP = 2  # samples per prompt
 
 

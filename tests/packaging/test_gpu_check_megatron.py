@@ -17,6 +17,8 @@ import yaml
 
 from miles_runner.loops.single_adapter import step_record
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check_megatron.sh"
 

@@ -32,6 +32,8 @@ from miles_runner.session.server import build_parser, config_from_args
 from miles_testkit.launch import engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 
+pytestmark = pytest.mark.integration
+
 LABELS = ("engine-a", "engine-b")
 PROMPTS = 6
 SESSIONS = 4

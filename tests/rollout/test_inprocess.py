@@ -1,9 +1,12 @@
 """In-process rollouts produce well-formed, rewarded samples in GRPO group order."""
 
+import pytest
 import torch
 
 from miles_runner.plugins.lookup import get_reward, make_task
 from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
+
+pytestmark = pytest.mark.integration
 
 
 def _samples(model, tokenizer, task_name, reward_name, n_prompts, n, settings):

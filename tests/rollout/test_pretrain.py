@@ -2,8 +2,12 @@
 
 import random
 
+import pytest
+
 from miles_runner.models.format_pretrain import pretrain_format, random_transcript, transcript_tokens
 from miles_runner.plugins.lookup import make_task
+
+pytestmark = pytest.mark.integration
 
 
 def test_random_transcript_plays_the_environment_until_it_ends():

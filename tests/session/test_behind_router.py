@@ -27,6 +27,8 @@ from miles_runner.session.server import build_parser, config_from_args
 from miles_testkit.launch import engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 
+pytestmark = pytest.mark.integration
+
 ENGINE_LABELS = ("engine-a", "engine-b")
 SESSIONS = 6
 TURNS = 3

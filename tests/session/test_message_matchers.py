@@ -13,6 +13,8 @@ from miles_runner.session.messages import (
     strict_matches,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def assistant_calling(arguments, call_id: str = "call-A", **extra) -> dict:
     call = {"id": call_id, "type": "function", "function": {"name": "lookup", "arguments": arguments}}

@@ -1,9 +1,12 @@
 """The HTTP surface of the session server (spec §2.2, §2.3), against the embedded engine on loopback."""
 
 import httpx
+import pytest
 from servers import chat, get_session, new_session, openai_client
 
 from miles_runner.session.codec import decode_samples
+
+pytestmark = pytest.mark.integration
 
 USER = {"role": "user", "content": "What is 3 plus 4?"}
 

@@ -5,6 +5,8 @@ import httpx
 import pytest
 from servers import FaultInjectingUpstream, chat, get_session, new_session
 
+pytestmark = pytest.mark.integration
+
 USER = {"role": "user", "content": "What is 3 plus 4?"}
 
 

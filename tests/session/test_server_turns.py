@@ -11,6 +11,8 @@ from miles_runner.engine.routed_experts import decode_routed_experts
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.config import read_num_layers
 
+pytestmark = pytest.mark.integration
+
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 

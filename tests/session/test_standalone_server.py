@@ -9,6 +9,8 @@ from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
 from miles_runner.session.server import build_parser, config_from_args
 
+pytestmark = pytest.mark.integration
+
 
 def test_cli_flags_map_onto_the_config():
     args = build_parser().parse_args(

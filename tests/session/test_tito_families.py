@@ -16,6 +16,8 @@ from miles_runner.session.config import SessionServerConfig
 from miles_runner.session.errors import MessageValidationError
 from miles_runner.session.tito import Glm47Tito, TitoTokenizer
 
+pytestmark = pytest.mark.integration
+
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 USER = {"role": "user", "content": "What is 3 plus 4?"}
 ANSWER = {"role": "assistant", "content": "The answer is 7."}

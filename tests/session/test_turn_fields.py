@@ -9,6 +9,8 @@ from miles_runner.session.config import SessionServerConfig, read_sampling_defau
 from miles_runner.session.errors import MessageValidationError
 from miles_runner.session.request import prepare_chat_request
 
+pytestmark = pytest.mark.integration
+
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 WITH_ADAPTER = SessionServerConfig(engine_url="http://127.0.0.1:1", model_path="unused", lora_name="miles_lora")
 

@@ -17,6 +17,8 @@ from miles_runner.slurm.contradictions import EXECUTOR_OVERRIDES, executor_probl
 from miles_runner.slurm.script import render_job_script
 from miles_runner.slurm.settings import SlurmSettings
 
+pytestmark = pytest.mark.integration
+
 GOLDEN = Path(__file__).parent / "golden"
 TINY = "+recipe=tiny_lora_agentic"
 SLURM = "hydra/launcher=miles_slurm"

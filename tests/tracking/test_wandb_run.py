@@ -6,9 +6,13 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import pytest
+
 from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_plan
 from miles_runner.tracking.tracker import Tracker
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 32 * 1024  # the .wandb file is a LevelDB-style log: 32 KiB blocks of (crc, length, type) records
 HEADER = 7  # the file's ":W&B" magic, version and format bytes; also each record's header size

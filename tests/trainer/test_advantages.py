@@ -21,6 +21,8 @@ from miles_runner.trainer.advantages import (
 )
 from miles_runner.trainer.loss import PolicyLossConfig, policy_loss
 
+pytestmark = pytest.mark.integration
+
 
 def whitened(values: list[float]) -> list[float]:
     """(x - mean) / unbiased std: the statistics written out by hand."""

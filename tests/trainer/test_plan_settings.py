@@ -16,6 +16,8 @@ from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapte
 
 from .test_fsdp import BAD, GOOD, group
 
+pytestmark = pytest.mark.integration
+
 # One prompt of two samples per optimizer step, as the groups below are.
 ONE_GROUP = ("rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=2")
 

@@ -29,6 +29,8 @@ from miles_testkit.routing_gap import move_routers
 
 from .settings import ATTENTION, make_settings
 
+pytestmark = pytest.mark.integration
+
 PROMPTS, PER_PROMPT = 3, 2
 
 

@@ -9,6 +9,8 @@ import pytest
 from miles_runner.models.moe_routing import routing_layout
 from miles_testkit.routing_gap import engine_samples, measure_gaps, r3_engine, r3_plan, trainers
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = 4
 MOVED = 0.1  # std of the noise added to every gate weight (they are initialised with std 0.1)
 

@@ -24,6 +24,8 @@ from miles_testkit.routing_gap import engine_samples, logprob_gap, measure_gaps,
 
 from .fused_adapter import save_fused_adapter
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = 2
 TOLERANCE = 1e-4
 MOVED = 0.1  # std of the noise added to every gate weight (they are initialised with std 0.1)

@@ -18,6 +18,8 @@ from miles_runner.trainer.megatron.parallel import Layout
 from .parity_case import REAL, WIDTH, run_case
 from .ranks_helper import run_ranks
 
+pytestmark = pytest.mark.integration
+
 WORKER = Path(__file__).with_name("parity_worker.py")
 LAYOUTS = {
     "dense dp2": ("dense", {}),

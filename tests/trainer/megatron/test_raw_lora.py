@@ -20,6 +20,8 @@ from miles_runner.trainer.megatron.model import build_model
 
 from .raw_lora_worker import TARGETS, adapter_spec, nonzero_start
 
+pytestmark = pytest.mark.integration
+
 IDS = torch.randint(3, 400, (2, 10), generator=torch.Generator().manual_seed(0))
 
 

@@ -12,6 +12,8 @@ import torch
 
 from .ranks_helper import run_ranks
 
+pytestmark = pytest.mark.integration
+
 WORKER = Path(__file__).with_name("raw_lora_worker.py")
 TWO_RANK_CASES = [
     {"name": "dense_tp2_sp", "model": "tiny-dense", "layout": {"tp": 2, "sp": True}},

@@ -18,6 +18,8 @@ from miles_runner.trainer.megatron.trainer import MegatronTrainer
 
 from ..settings import make_settings
 
+pytestmark = pytest.mark.integration
+
 PROMPT = [1, 60, 61, 62, 63, 4]
 RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 92, 93, 2])
 REWARDS = (1.0, 0.0, 0.5, 0.0)

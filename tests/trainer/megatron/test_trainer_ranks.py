@@ -12,6 +12,8 @@ import torch
 from .ranks_helper import run_ranks
 from .test_trainer import megatron, samples, settings_from
 
+pytestmark = pytest.mark.integration
+
 WORKER = Path(__file__).with_name("trainer_worker.py")
 
 
