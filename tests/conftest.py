@@ -4,8 +4,24 @@ the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folde
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MILES_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+
+# The shared fixtures that start a server process (tests/*/conftest.py). A test that uses one, directly or through
+# another fixture, is an integration test, which `make test-fast` leaves out; modules that start processes their
+# own way carry `pytestmark = pytest.mark.integration`.
+SERVER_FIXTURES = frozenset({
+    "engine", "plain_engine", "contract_engine_url", "lora_engine", "engine_url_for_sync", "engine_url",
+    "start_session_server", "slurm_cluster",
+})  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
