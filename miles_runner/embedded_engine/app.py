@@ -43,6 +43,7 @@ from miles_runner.embedded_engine.protocol import (
     UpdateWeightVersionReqInput,
 )
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest
+from miles_runner.engine.fastapi_app import fastapi_app
 
 logger = logging.getLogger(__name__)
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
@@ -62,7 +63,7 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
         yield
         engine.shutdown()
 
-    app = FastAPI(title="miles-runner embedded engine", lifespan=lifespan)
+    app = fastapi_app(title="miles-runner embedded engine", lifespan=lifespan)
     _install_error_handlers(app)
     if engine.args.api_key:
         _install_auth(app, engine.args.api_key)

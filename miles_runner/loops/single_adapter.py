@@ -31,7 +31,7 @@ from miles_runner.lora.sync import make_sync
 from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
-from miles_runner.rollout.agentic import rollout_agentic
+from miles_runner.rollout.agentic import SessionClients, rollout_agentic
 from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
@@ -117,6 +117,8 @@ class SingleAdapterLoop:
         engines = [EngineClient(url) for url in deployment.engine_urls]
         rollout_client = rollout_workers(plan, deployment.engine_urls)  # groups spread over the engines
         ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
+        # One connection pool to the session server for the whole run: every rollout reuses its connections.
+        self.session_clients = SessionClients(str(ctx.session_url)) if ctx.session_url else None
         stream = PromptStream(ctx.task)
         start = 0
         if self.resume and (saved := load_latest(self.run_dir)):
@@ -141,6 +143,8 @@ class SingleAdapterLoop:
             self.tracker.close()
             for client in [*engines, rollout_client]:
                 await client.aclose()
+            if self.session_clients is not None:
+                await self.session_clients.aclose()
         return self.tracker.records
 
     async def _steps(self, trainer, sync, ctx, stream, start: int) -> None:
@@ -185,8 +189,10 @@ class SingleAdapterLoop:
 
     async def _rollout(self, ctx, prompts) -> tuple[list[Sample], dict[str, float]]:
         started = time.perf_counter()
-        run = rollout_agentic if ctx.session_url else rollout_single_turn
-        samples = await run(ctx, prompts)
+        if self.session_clients is not None:
+            samples = await rollout_agentic(ctx, prompts, self.session_clients)
+        else:
+            samples = await rollout_single_turn(ctx, prompts)
         seconds = time.perf_counter() - started
         tokens = sum(s.response_length for s in samples)
         return samples, {"rollout/seconds": seconds, "rollout/tokens": tokens,

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from miles_runner.engine.fastapi_app import fastapi_app
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
 from miles_runner.multi_lora.settings import load_settings, parse_args
@@ -91,7 +92,7 @@ def create_app(
     controller: MultiLoRAController, *, api_token: str | None = None, adapters_dir: str | Path | None = None
 ) -> FastAPI:
     """The API over `controller`. `adapters_dir` enables `yaml_path` registrations, confined to that folder."""
-    app = FastAPI(title="miles-runner multi-LoRA controller")
+    app = fastapi_app(title="miles-runner multi-LoRA controller")
     app.state.controller = controller
     _add_error_handlers(app)
 

@@ -52,10 +52,16 @@ class SessionClients:
         await self.aclose()
 
 
-async def rollout_agentic(ctx: RolloutContext, prompts: list[Prompt]) -> list[Sample]:
+async def rollout_agentic(
+    ctx: RolloutContext, prompts: list[Prompt], clients: SessionClients | None = None
+) -> list[Sample]:
+    """Every prompt's group of episodes, all at once. `clients`: the run's open SessionClients, so each rollout
+    reuses the connections of the previous one (without: a pool of this rollout's own, closed at its end)."""
+    if clients is None:
+        async with SessionClients(str(ctx.session_url)) as own:
+            return await rollout_agentic(ctx, prompts, own)
     n = ctx.plan.batch.n_samples_per_prompt
-    async with SessionClients(str(ctx.session_url)) as clients:
-        return list(await asyncio.gather(*(play_episode(ctx, clients, p) for p in prompts for _ in range(n))))
+    return list(await asyncio.gather(*(play_episode(ctx, clients, p) for p in prompts for _ in range(n))))
 
 
 async def play_episode(

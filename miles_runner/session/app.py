@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from miles_runner.engine.client import ROUTING_KEY_HEADER, EngineError, EngineUnavailable
+from miles_runner.engine.fastapi_app import fastapi_app
 from miles_runner.session.config import AdapterSlot, SessionServerConfig, read_sampling_defaults
 from miles_runner.session.core import SessionCore
 from miles_runner.session.errors import MessageValidationError, SessionError, UpstreamResponseError
@@ -64,7 +65,7 @@ def create_app(config: SessionServerConfig, tito: TitoTokenizer | None = None) -
         finally:
             await upstream.aclose()
 
-    app = FastAPI(title="miles-runner session server", lifespan=lifespan)
+    app = fastapi_app(title="miles-runner session server", lifespan=lifespan)
     app.add_exception_handler(SessionError, _session_error_response)
     _add_routes(app, config)
     return app

@@ -25,7 +25,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.lookup import get_agent, get_reward, make_task
 from miles_runner.procs.ports import LOOPBACK, free_port
-from miles_runner.rollout.agentic import rollout_agentic
+from miles_runner.rollout.agentic import SessionClients, rollout_agentic
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.session.app import create_app
@@ -236,6 +236,20 @@ async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(se
     assert [s.metadata["turns"] for s in samples] == [2, 2]
     assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them
     assert not any("rid" in body for body in session_server.upstream)
+
+
+async def test_rollouts_given_the_runs_session_clients_leave_them_open_for_the_next(
+    session_server, workers, plan, tito
+):
+    """The single-adapter loop opens one SessionClients for the run (one connection pool, reused by every step)."""
+    plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=1))
+    ctx = dataclasses.replace(context(plan, workers, session_server.url, tito), task=make_task("count_retry", 0))
+    async with SessionClients(session_server.url) as clients:
+        first = await rollout_agentic(ctx, [ctx.task.prompt(0)], clients)
+        assert not clients.http.is_closed
+        second = await rollout_agentic(ctx, [ctx.task.prompt(1)], clients)
+    assert [s.metadata["prompt_index"] for s in first + second] == [0, 1]
+    assert clients.http.is_closed
 
 
 # ---- the per-adapter agent ------------------------------------------------------------------------------
