@@ -2,6 +2,7 @@
 the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folder."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MILES_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+
+# A suite started as a background job (`make test &`, nohup) inherits SIGINT ignored, and so would every process it
+# starts: the Ctrl-C tests send SIGINT to a run and expect what a terminal's Ctrl-C does. Python's handler here
+# resets to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The shared fixtures that start a server process (tests/*/conftest.py). A test that uses one, directly or through
 # another fixture, is an integration test, which `make test-fast` leaves out; modules that start processes their
