@@ -47,7 +47,7 @@ BRIDGE_PY ?= python3.12
 BRIDGE_PIN := $(shell sed -n 's/.*"megatron-bridge==\([^";]*\).*/\1/p' pyproject.toml)
 BRIDGE_MCORE_PIN := $(shell sed -n "s/.*\"megatron-core==\([^\";]*\); python_version >= '3.12'.*/\1/p" pyproject.toml)
 
-$(BRIDGE_STAMP): pyproject.toml
+$(BRIDGE_STAMP): pyproject.toml Makefile
 	# PYENV_VERSION picks pyenv's 3.12 where python3.12 is a pyenv shim; elsewhere it is ignored.
 	test -x $(BRIDGE_BIN)/python || PYENV_VERSION=3.12 $(BRIDGE_PY) -m venv $(BRIDGE_VENV)
 	$(BRIDGE_BIN)/pip install -q --upgrade pip
@@ -60,7 +60,7 @@ $(BRIDGE_STAMP): pyproject.toml
 	# Engine, flashinfer, megatron-core[dev], ...): exactly what its import and LoRA need, transformers within its
 	# range (<= 5.12.1), the test runner, and this project (no deps: it imports only torch, numpy and the above).
 	$(BRIDGE_BIN)/pip install -q megatron-core==$(BRIDGE_MCORE_PIN) transformers==5.12.1 peft safetensors omegaconf \
-		einops six pytest pytest-timeout
+		einops six pybase64 pytest pytest-timeout
 	$(BRIDGE_BIN)/pip install -q --no-deps megatron-bridge==$(BRIDGE_PIN)
 	$(BRIDGE_BIN)/pip install -q --no-deps -e .
 	touch $@
