@@ -84,9 +84,10 @@ test: layers sglang-spec bridge-env
 	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory bridge-test
 
-# The inner loop (under 2 minutes): the unit tests, no servers, processes or training runs.
+# The inner loop (under 2 minutes on 2 cores): the unit tests, no servers, processes or training runs, spread over
+# one worker per core (they share no ports or files; 80 s with 2 workers against 122 s in one process).
 test-fast: layers sglang-spec
-	$(BIN)/python -m pytest -q -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n auto -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
 
 lint: layers
 	$(BIN)/ruff check .
