@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 
+from miles_runner.config.hydra_instantiation import instantiation_problems
 from miles_runner.config.hydra_settings import composed_setting_problems, user_run_dir
 from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass
 from miles_runner.config.provenance import COMMAND_LINE, Provenance, build_provenance, flatten
@@ -69,9 +70,17 @@ def compose(overrides: list[str]) -> ComposedConfig:
             cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except HydraException as exc:
         raise PlanError([composition_problem(str(exc), config_sources(searchpath))]) from None
-    if problems := composed_setting_problems(cfg, overrides):
+    if problems := composed_setting_problems(cfg, overrides) + instantiation_problems(cfg.hydra, shipped_hydra):
         raise PlanError(problems)
     return from_hydra_job(cfg, cfg.hydra, overrides, user_run_dir(cfg))
+
+
+@cache
+def shipped_hydra() -> Any:
+    """The `hydra` node of the shipped config alone (no user folder, recipe or override)."""
+    register_base()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", return_hydra_config=True).hydra
 
 
 def job_tree(cfg: Any) -> dict[str, Any]:

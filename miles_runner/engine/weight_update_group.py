@@ -11,11 +11,15 @@ The same timeout bounds every collective: gloo cannot abort a broadcast whose pe
 broadcast returns after ``timeout_s``, and the group is then out of step (its tag counters differ between
 ranks) and must be destroyed and built again.
 
-The store's server (on rank 0) listens on ``master_port`` on every interface: torch offers no bind address.
+The store's server (on rank 0) listens on ``master_address:master_port`` only: loopback when trainer and engines
+share a node, the trainer node's own address across nodes (the engines connect there; never every interface, as
+torch's own rendezvous would). The store has no authentication: anyone who can reach that address and port can
+join or disturb the group while it is being built (SECURITY.md).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -42,8 +46,11 @@ def init_weight_update_group(
     )
 
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    if rank == 0:
+        store = bound_store(master_address, master_port, world_size, timeout)
+    else:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(
         world_size,
@@ -57,6 +64,17 @@ def init_weight_update_group(
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang registers it
     return group
+
+
+def bound_store(address: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's store server, listening on `address` only: torch's rendezvous binds every interface, but its
+    TCPStore takes a socket that is already listening (`master_listen_fd`), which we bind ourselves."""
+    listener = socket.create_server((address, port), backlog=socket.SOMAXCONN)
+    try:
+        return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=listener.fileno(), use_libuv=True)
+    finally:
+        listener.close()  # the store holds its own duplicate of the socket
 
 
 def destroy_weight_update_group(group: dist.ProcessGroup) -> None:

@@ -11,15 +11,11 @@ import pytest
 from miles_runner.cli.main import main
 from miles_runner.config.hydra_settings import hydra_setting_problems
 from miles_runner.plan.record import read_plan
+from miles_testkit.plan_errors import printed_rules as rules
 
 pytestmark = pytest.mark.integration
 
 RECIPE = "+recipe=tiny_lora_agentic"
-
-
-def rules(err: str) -> list[str]:
-    """The rule ids of a rendered PlanError, in order."""
-    return [line.split(". ", 1)[1] for line in err.splitlines() if line[:1].isdigit() and ". " in line]
 
 
 def test_hydra_run_dir_is_the_run_folder_exactly(tmp_path, capsys):

@@ -16,6 +16,7 @@ from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.slurm.contradictions import EXECUTOR_OVERRIDES, executor_problems, settings_problems
 from miles_runner.slurm.script import render_job_script
 from miles_runner.slurm.settings import SlurmSettings
+from miles_testkit.plan_errors import printed_rules as rules
 
 pytestmark = pytest.mark.integration
 
@@ -25,10 +26,6 @@ SLURM = "hydra/launcher=miles_slurm"
 GLM_SETTINGS = SlurmSettings(partition="gpu", account="rl", qos="high", time="24:00:00", cpus_per_task=96,
                              mem="0", setup=["module load cuda/12.4", "source /opt/miles/venv/bin/activate"],
                              extra_sbatch=["--exclusive"], nodes_timeout_s=600)
-
-
-def rules(err: str) -> list[str]:
-    return [line.split(". ", 1)[1] for line in err.splitlines() if line[:1].isdigit() and ". " in line]
 
 
 def test_the_glm52_job_script_matches_the_reviewed_golden_file():
