@@ -3,6 +3,7 @@ the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folde
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    """monkeypatch for a module-scoped fixture (e.g. a server started with a variable set for its whole module)."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch

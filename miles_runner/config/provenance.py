@@ -6,8 +6,10 @@ files, the recipe file and the command-line overrides, applied in Hydra's order 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,16 @@ def format_value(value: Any) -> str:
 
 
 def read_option_file(path: Path) -> tuple[str | None, dict[str, Any]]:
-    """(the `# @package` header if any, the body) of a Hydra config file."""
+    """(the `# @package` header if any, the body) of a Hydra config file, a copy the caller may change. Each file
+    is parsed once per version (its mtime and size): every composition reads a dozen of them, and a sweep or the
+    config fuzz composes hundreds of times."""
+    stat = path.stat()
+    package, body = _parsed_option_file(path, stat.st_mtime_ns, stat.st_size)
+    return package, copy.deepcopy(body)
+
+
+@lru_cache(maxsize=1024)
+def _parsed_option_file(path: Path, mtime_ns: int, size: int) -> tuple[str | None, dict[str, Any]]:
     text = path.read_text()
     package = None
     for line in text.splitlines():

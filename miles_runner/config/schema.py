@@ -186,6 +186,10 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)
     embedded_max_params_b: float = 1.0  # the CPU engine holds fp32 weights: ~4 GB per billion
     startup_timeout_s: float = 600.0
+    # The embedded engine's request limits (--max-n, --max-batch-size; SGLang has no such flags): the most samples
+    # per prompt (n), and outputs (prompts x n), one /generate or chat request may ask for; more is a 400.
+    max_n: int = 256
+    max_batch_size: int = 4096
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,8 @@ class SessionConfig:
     message_matcher: str = "strict"
     max_trim_tokens: int = 1
     upstream_timeout_s: float = 600.0
+    max_sessions: int = 1024  # open sessions at most: one more is a 429 (a rollout opens one per episode)
+    max_age_s: float = 3600.0  # a session older than this is gone (404), its in-flight turn aborted
 
 
 @dataclass(frozen=True)
@@ -283,8 +289,8 @@ class ExecutorConfig:
     kind: str = "local"
     ray_address: str = ""  # empty: start a local Ray on loopback
     health_timeout_s: float = 120.0
-    # Times the driver may restart each engine that died mid-run (multi-LoRA): the restarted engine gets
-    # every live adapter again. 0: a dead engine ends the run.
+    # Times the driver may restart each engine that died mid-run: the restarted engine gets every live adapter
+    # again (single-adapter runs: the last push, and the interrupted rollout runs again). 0: a dead engine ends the run.
     engine_restarts: int = 0
 
 
@@ -297,6 +303,13 @@ class LoggerConfig:
     metrics_jsonl: bool = True
     plots: bool = True
     progress: str = "auto"
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    # The NAME of the environment variable that holds the run's key ("" : no key, loopback only). Every server of
+    # the run requires it as a bearer token and every client sends it; plan.yaml records the name, never the value.
+    api_key_env: str = ""
 
 
 @dataclass(frozen=True)
@@ -318,6 +331,7 @@ class MilesConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def defaults_tree() -> dict[str, Any]:

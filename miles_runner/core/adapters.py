@@ -7,6 +7,7 @@ another adapter (valid names cannot contain `::`).
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -118,8 +119,8 @@ def _number_problems(values: Mapping[str, Any]) -> list[AdapterProblem]:
         if values.get(key) is not None and not _is_positive_int(values[key]):
             problems.append(AdapterProblem((key,), f"{key} must be a positive integer when set, got {values[key]!r}"))
     for key in ("alpha", "lr"):
-        if not _is_number(values[key]) or values[key] <= 0:
-            problems.append(AdapterProblem((key,), f"{key} must be a number > 0, got {values[key]!r}"))
+        if not _is_number(values[key]) or not 0 < values[key] < math.inf:  # NaN and infinity are no learning rate
+            problems.append(AdapterProblem((key,), f"{key} must be a finite number > 0, got {values[key]!r}"))
     return problems
 
 

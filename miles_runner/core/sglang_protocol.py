@@ -18,6 +18,14 @@ SGLANG_VERSION = "0.5.23"
 STOCK = "stock"
 MILES_FORK = "miles_fork"
 ENGINE_BUILDS = (STOCK, MILES_FORK)
+# SGLang's _SAMPLING_EPS: a temperature in [0, eps) samples greedily, and SGLang then reports the logprobs of
+# temperature 1.0 (SamplingParams.__post_init__ sets temperature 1.0 and top_k 1), which the trainer must match.
+GREEDY_TEMPERATURE_BELOW = 1e-6
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature whose distribution SGLang's logprobs describe when a request asks for `temperature`."""
+    return 1.0 if 0.0 <= temperature < GREEDY_TEMPERATURE_BELOW else temperature
 
 
 @dataclass(frozen=True)

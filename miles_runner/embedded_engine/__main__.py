@@ -22,8 +22,7 @@ class _EngineServer(uvicorn.Server):
         self._engine = engine
 
     def handle_exit(self, sig, frame) -> None:
-        self._engine.ready = False
-        self._engine.scheduler.request_stop()
+        self._engine.begin_shutdown()
         super().handle_exit(sig, frame)
 
 

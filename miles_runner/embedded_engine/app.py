@@ -18,11 +18,14 @@ from typing import TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from miles_runner.core.sglang_protocol import LORA_BROADCAST_ROUTE, MILES_FORK
 from miles_runner.embedded_engine import openai_chat
+from miles_runner.embedded_engine import openapi_docs as docs
 from miles_runner.embedded_engine.engine import EmbeddedEngine
 from miles_runner.embedded_engine.native_response import generate_item
 from miles_runner.embedded_engine.protocol import (
@@ -43,6 +46,7 @@ from miles_runner.embedded_engine.protocol import (
     UpdateWeightVersionReqInput,
 )
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest
+from miles_runner.engine.auth import admin_optional, install_auth
 from miles_runner.engine.fastapi_app import fastapi_app
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,9 @@ BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)
 
 DISCONNECT_POLL_S = 0.5
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+LORA = docs.reply_responses(docs.LoRAReply, "The adapter operation")
+WEIGHTS = docs.reply_responses(docs.WeightsReply, "The weight operation")
+TENSORS_BODY = docs.hand_parsed_body(LoadLoRAAdapterFromTensorsReqInput)
 FLUSH_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -65,13 +72,13 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
 
     app = fastapi_app(title="miles-runner embedded engine", lifespan=lifespan)
     _install_error_handlers(app)
-    if engine.args.api_key:
-        _install_auth(app, engine.args.api_key)
+    install_auth(app, api_key=engine.args.api_key, admin_api_key=engine.args.admin_api_key)
     _add_generation_routes(app, engine)
     _add_control_routes(app, engine)
     _add_lora_and_weight_routes(app, engine)
     _add_distributed_weight_routes(app, engine)
     _add_info_routes(app, engine)
+    app.openapi = lambda: docs.truthful_openapi(app)  # type: ignore[method-assign]
     return app
 
 
@@ -96,6 +103,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             problems.setdefault(field, []).append(error.get("msg", "invalid"))
         text = "; ".join(f"{field}: {' or '.join(dict.fromkeys(msgs))}" for field, msgs in problems.items())
         return error_response(request, text)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # a body FastAPI cannot read (not UTF-8 ...): the engine's 400 body, as any other
+            return error_response(request, f"body: {exc.detail}")
+        return await http_exception_handler(request, exc)  # 404, 405: FastAPI's own, as SGLang answers them
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
@@ -142,14 +155,6 @@ def _type_mismatch(error: dict) -> bool:
     return error.get("type", "").endswith("_type")
 
 
-def _install_auth(app: FastAPI, api_key: str) -> None:
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if request.headers.get("authorization") != f"Bearer {api_key}":
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
-
-
 # ----- generation ------------------------------------------------------------------------------------------
 async def _collect(engine: EmbeddedEngine, requests: list[GenRequest], parent: str | None) -> list[GenerationResult]:
     finals: dict[int, GenerationResult] = {}
@@ -184,7 +189,7 @@ def _sse(payload: dict) -> str:
 
 
 def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    @app.api_route("/generate", methods=["POST", "PUT"], responses=docs.generate_responses())
     async def generate(body: GenerateReqInput, request: Request):
         requests, as_list = engine.build_generate_requests(body)
         parent = body.rid if isinstance(body.rid, str) else None
@@ -208,7 +213,7 @@ def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             yield _sse(generate_item(result, index if as_list else None))
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=docs.chat_responses())
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         rid, requests = openai_chat.build_chat_requests(engine, body)
         if body.stream:
@@ -226,24 +231,28 @@ def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 # ----- abort, pause, cache -----------------------------------------------------------------------------------
 def _add_control_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
     # As in SGLang, these routes require a JSON body (`{}` takes every default).
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=docs.ABORT, response_class=Response)
+    @admin_optional
     async def abort_request(body: AbortReqInput):
         # `prefix` is a fork-only field: an engine serving as stock SGLang drops it, as stock does.
         prefix = body.prefix and engine.args.engine_build == MILES_FORK
         await engine.abort(body.rid, abort_all=body.abort_all, prefix=prefix)
         return Response(status_code=200)
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", responses=docs.STATUS)
+    @admin_optional
     async def pause_generation(body: PauseGenerationReqInput):
         await engine.pause(body.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", responses=docs.STATUS)
+    @admin_optional
     async def continue_generation(_body: ContinueGenerationReqInput):
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"], responses=docs.FLUSH, response_class=PlainTextResponse)
+    @admin_optional
     async def flush_cache():
         if await engine.flush_cache():
             return PlainTextResponse(FLUSH_OK)
@@ -268,7 +277,8 @@ def _weights_reply(message: str | None, error: str | None = None, **extra) -> JS
 
 
 def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
-    @app.post("/load_lora_adapter")
+    @app.post("/load_lora_adapter", responses=LORA)
+    @admin_optional
     async def load_lora_adapter(body: LoadLoRAAdapterReqInput):
         try:
             await engine.load_lora(body.lora_name, body.lora_path, body.pinned)
@@ -276,7 +286,8 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return _lora_reply(engine, str(exc))
         return _lora_reply(engine)
 
-    @app.post("/load_lora_adapter_from_tensors")
+    @app.post("/load_lora_adapter_from_tensors", responses=LORA, openapi_extra=TENSORS_BODY)
+    @admin_optional
     async def load_lora_adapter_from_tensors(request: Request):
         body = await _large_body(request, LoadLoRAAdapterFromTensorsReqInput)
         try:
@@ -287,7 +298,8 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 
     load_lora_adapter_from_tensors.body_model = LoadLoRAAdapterFromTensorsReqInput  # FastAPI sees no body param
 
-    @app.post("/unload_lora_adapter")
+    @app.post("/unload_lora_adapter", responses=LORA)
+    @admin_optional
     async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput):
         try:
             await engine.unload_lora(body.lora_name)
@@ -295,7 +307,8 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return _lora_reply(engine, str(exc))
         return _lora_reply(engine)
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", responses=WEIGHTS)
+    @admin_optional
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput):
         try:
             message = await engine.update_weights_from_disk(body)
@@ -303,7 +316,8 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return _weights_reply(None, f"Failed to update weights: {exc}", num_paused_requests=0)
         return _weights_reply(message, num_paused_requests=0)
 
-    @app.post("/update_weights_from_tensor")
+    @app.post("/update_weights_from_tensor", responses=WEIGHTS)
+    @admin_optional
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput):
         try:
             message = await engine.update_weights_from_tensor(body)
@@ -311,7 +325,8 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return _weights_reply(None, f"Failed to update weights: {exc}")
         return _weights_reply(message)
 
-    @app.post("/update_weight_version")
+    @app.post("/update_weight_version", responses=docs.VERSION)
+    @admin_optional
     async def update_weight_version(body: UpdateWeightVersionReqInput):
         await engine.update_weight_version(body.new_version, body.abort_all_requests)
         message = f"Weight version updated to {body.new_version}"
@@ -332,7 +347,8 @@ async def _large_body(request: Request, model: type[BodyModel]) -> BodyModel:
 
 # ----- weights and adapters broadcast by the trainer (disaggregated sync) -----------------------------------
 def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group", responses=WEIGHTS)
+    @admin_optional
     async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput):
         try:
             await engine.init_weights_update_group(body)
@@ -340,7 +356,8 @@ def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None
             return _weights_reply(None, str(exc))
         return _weights_reply(f"Initialized weight update group {body.group_name}.")
 
-    @app.post("/destroy_weights_update_group")
+    @app.post("/destroy_weights_update_group", responses=WEIGHTS)
+    @admin_optional
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput):
         try:
             await engine.weight_groups.destroy(body.group_name)
@@ -348,7 +365,8 @@ def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None
             return _weights_reply(None, str(exc))
         return _weights_reply(f"Destroyed weight update group {body.group_name}.")
 
-    @app.post("/update_weights_from_distributed")
+    @app.post("/update_weights_from_distributed", responses=WEIGHTS)
+    @admin_optional
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput):
         try:
             message = await engine.update_weights_from_distributed(body)
@@ -359,7 +377,8 @@ def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None
     if engine.args.engine_build != MILES_FORK:
         return  # a fork-only route: an engine serving as stock SGLang answers 404, as stock does
 
-    @app.post(LORA_BROADCAST_ROUTE)
+    @app.post(LORA_BROADCAST_ROUTE, responses=LORA)
+    @admin_optional
     async def load_lora_adapter_from_distributed(body: LoadLoRAAdapterFromDistributedReqInput):
         try:
             await engine.load_lora_from_distributed(body)
@@ -370,11 +389,11 @@ def _add_distributed_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None
 
 # ----- health and info ---------------------------------------------------------------------------------------
 def _add_info_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=docs.HEALTH, response_class=Response)
     async def health():
         return Response(status_code=200 if engine.ready and engine.scheduler.alive else 503)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=docs.HEALTH, response_class=Response)
     async def health_generate():
         if not (engine.ready and engine.scheduler.alive):
             return Response(status_code=503)
@@ -388,21 +407,21 @@ def _add_info_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @app.get("/model_info", responses=docs.INFO)
+    @app.get("/get_model_info", responses=docs.INFO)
     async def model_info():
         return engine.model_info()
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @app.get("/server_info", responses=docs.INFO)
+    @app.get("/get_server_info", responses=docs.INFO)
     async def server_info():
         return engine.server_info()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=docs.MODELS)
     async def models():
         return {"object": "list", "data": engine.model_cards()}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=docs.MODEL_CARD)
     async def model_card(model_id: str):
         for card in engine.model_cards():
             if card["id"] == model_id:

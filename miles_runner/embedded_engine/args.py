@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 from miles_runner.core.sglang_protocol import ENGINE_BUILDS, MILES_FORK
+from miles_runner.embedded_engine.validation import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_N
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class ServerArgs:
     port: int = DEFAULT_PORT
     served_model_name: str | None = None
     api_key: str | None = None
+    admin_api_key: str | None = None
+    api_key_env: str | None = None  # not an SGLang flag: the name of an environment variable holding --api-key
     random_seed: int = 0
     context_length: int | None = None
     max_running_requests: int = 64
@@ -49,6 +53,8 @@ class ServerArgs:
     enable_cache_report: bool = False
     dist_timeout: int | None = None  # seconds; bounds weight-update group joins and broadcasts
     engine_build: str = MILES_FORK  # stock: serve as stock SGLang, without the fork-only features
+    max_n: int = DEFAULT_MAX_N
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     log_level: str = "info"
     ignored_flags: list[str] = field(default_factory=list)
 
@@ -68,6 +74,13 @@ def parse_lora_path(entry: str) -> LoRASpec:
     return LoRASpec(entry, entry)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown SGLang flag must never be prefix-matched onto one of ours.
     p = argparse.ArgumentParser(
@@ -81,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name")
     p.add_argument("--api-key")
+    p.add_argument("--admin-api-key")
+    # Not an SGLang flag: read the API key from this environment variable, so it is not in argv (which local users
+    # can read in /proc/<pid>/cmdline).
+    p.add_argument("--api-key-env", metavar="NAME")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--context-length", type=int)
     p.add_argument("--max-running-requests", type=int, default=64)
@@ -97,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Not an SGLang flag: which SGLang build to serve as (core.sglang_protocol). The fork's features are served
     # only as miles_fork; as stock, the fork's route is a 404 and its fields are dropped, as stock SGLang does.
     p.add_argument("--engine-build", choices=ENGINE_BUILDS, default=MILES_FORK)
+    # Not SGLang flags either: the most samples per prompt (n), and prompts x n, that one request may ask for.
+    p.add_argument("--max-n", type=_positive_int, default=DEFAULT_MAX_N)
+    p.add_argument("--max-batch-size", type=_positive_int, default=DEFAULT_MAX_BATCH_SIZE)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -104,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     namespace, unknown = build_parser().parse_known_args(argv)
     args = ServerArgs(**vars(namespace), ignored_flags=unknown)
+    if args.api_key_env:
+        args.api_key = _key_from_env(args.api_key_env)
     if args.lora_paths:
         args.enable_lora = True  # SGLang: --lora-paths implies --enable-lora
     if args.served_model_name is not None and ":" in args.served_model_name:  # SGLang refuses it at launch too
@@ -114,6 +136,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         raise SystemExit("--max-loaded-loras must be at least --max-loras-per-batch")
     return args
+
+
+def _key_from_env(name: str) -> str:
+    key = os.environ.get(name, "")
+    if not key:
+        raise SystemExit(f"--api-key-env {name}: the environment variable {name} is unset or empty; set it to the key")
+    return key
 
 
 def log_ignored_flags(args: ServerArgs) -> None:

@@ -20,7 +20,13 @@ from pathlib import Path
 
 from miles_runner.embedded_engine.args import ServerArgs
 from miles_runner.embedded_engine.detokenizer import Detokenizer
-from miles_runner.embedded_engine.lora_registry import TENSOR_SOURCE, LoRARef, LoRARegistry, read_adapter_config
+from miles_runner.embedded_engine.lora_registry import (
+    TENSOR_SOURCE,
+    LoRARef,
+    LoRARegistry,
+    check_adapter_name,
+    read_adapter_config,
+)
 from miles_runner.embedded_engine.model_runner import ModelRunner
 from miles_runner.embedded_engine.protocol import (
     GenerateReqInput,
@@ -35,12 +41,15 @@ from miles_runner.embedded_engine.protocol import (
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest, LogprobRequest, ReqState
 from miles_runner.embedded_engine.sampling import SamplingConfig
 from miles_runner.embedded_engine.scheduler import Scheduler
+from miles_runner.embedded_engine.validation import GREEDY_BELOW, Limits, check_token_ids, verify_sampling
 from miles_runner.embedded_engine.weight_groups import WeightUpdateGroups
 from miles_runner.engine.tensor_wire import check_tensor_checksums, deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
 ENGINE_VERSION = "embedded-0.1"
+# Secrets are never served (a keyed client must not learn the admin key, nor a proxy pass a key on).
+NOT_IN_SERVER_INFO = frozenset({"ignored_flags", "api_key", "admin_api_key"})
 DEFAULT_DIST_TIMEOUT_S = 300  # without --dist-timeout: how long a weight-update group join or broadcast may take
 
 
@@ -57,6 +66,7 @@ class EmbeddedEngine:
         self.detok = Detokenizer(self.tokenizer, _eos_token_ids(args.model_path, self.tokenizer))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = LoRARegistry(args)
+        self.limits = Limits(max_n=args.max_n, max_batch_size=args.max_batch_size)
         self.weight_groups = WeightUpdateGroups(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
         self.scheduler = Scheduler(
             self.runner,
@@ -74,6 +84,7 @@ class EmbeddedEngine:
         self._unpaused: asyncio.Event | None = None
         self._lora_lock: asyncio.Lock | None = None
         self.ready = False
+        self.stopping = False
         for spec in args.lora_paths:  # before the worker starts, so no thread hop is needed
             self.lora.check_new(spec.lora_name, read_adapter_config(spec.lora_path))
             self.runner.load_adapter_from_path(spec.lora_name, spec.lora_path)
@@ -87,8 +98,19 @@ class EmbeddedEngine:
         self.scheduler.start(asyncio.get_running_loop())
         self.ready = True
 
+    def begin_shutdown(self) -> None:
+        """On SIGTERM: take no more requests and end every one in flight with an abort, those waiting at the pause
+        gate included, so that open connections answer at once rather than at uvicorn's graceful timeout."""
+        self.ready = False
+        self.stopping = True
+        self._aborted_at_gate |= self._gated
+        self.scheduler.request_stop()
+        if self._unpaused is not None:
+            self._unpaused.set()
+
     def shutdown(self) -> None:
         self.ready = False
+        self.stopping = True
         self.scheduler.stop()
 
     @property
@@ -104,11 +126,15 @@ class EmbeddedEngine:
         also say whether the response is a list (a batch, or n > 1) rather than one object."""
         prompts, batched = self._prompts(body)
         count = len(prompts)
-        sampling = _per_item(body.sampling_params, count, "sampling_params") if batched else [body.sampling_params]
-        lora = _per_item(body.lora_path, count, "lora_path") if batched else [body.lora_path]
-        if not batched and isinstance(body.lora_path, list):
-            lora = _per_item(body.lora_path, 1, "lora_path")
+        # Per-item fields: one value for every prompt, or (a batch only) one entry per prompt.
+        sampling = _per_item(body.sampling_params, count, "sampling_params", batched)
+        lora = _per_item(body.lora_path, count, "lora_path")  # a single prompt may name its adapter in a list of one
+        return_logprob = _per_item(body.return_logprob, count, "return_logprob", batched)
+        logprob_start = _per_item(body.logprob_start_len, count, "logprob_start_len", batched)
+        top_logprobs = _per_item(body.top_logprobs_num, count, "top_logprobs_num", batched)
+        token_ids_logprob = _token_ids_logprob(body.token_ids_logprob, count)
         rids = _item_rids(body.rid, count, batched)
+        self.limits.check_request([(params or SamplingParams()).n for params in sampling])
         if body.custom_logit_processor is not None:
             raise ValueError(
                 "The server is not configured to enable custom logit processor. "
@@ -119,10 +145,10 @@ class EmbeddedEngine:
         for i, prompt in enumerate(prompts):
             params = sampling[i] or SamplingParams()
             logprob = LogprobRequest(
-                return_logprob=bool(_at(body.return_logprob, i)),
-                logprob_start_len=int(_at(body.logprob_start_len, i)),
-                top_logprobs_num=int(_at(body.top_logprobs_num, i)),
-                token_ids_logprob=_token_ids_logprob(body.token_ids_logprob, i, batched),
+                return_logprob=bool(return_logprob[i]),
+                logprob_start_len=int(logprob_start[i]),
+                top_logprobs_num=int(top_logprobs[i]),
+                token_ids_logprob=token_ids_logprob[i],
                 return_text=body.return_text_in_logprobs,
             )
             requests += self.samples_for_prompt(
@@ -148,7 +174,8 @@ class EmbeddedEngine:
         self, rid: str, prompt: list[int], params: SamplingParams, *, adapter: str | None,
         logprob: LogprobRequest, routed: bool, routed_start: int, stream: bool,
     ) -> list[GenRequest]:  # fmt: skip
-        _verify_sampling(params)
+        verify_sampling(params, self.runner.vocab_size)
+        self.limits.check_request([params.n])
         self._check_prompt(prompt, logprob, routed_start)
         self._check_total_tokens(len(prompt), params.max_new_tokens)
         rids = [rid] if params.n == 1 else [f"{rid}_{j}" for j in range(params.n)]
@@ -184,6 +211,9 @@ class EmbeddedEngine:
             )
         if not 0 <= routed_start <= len(prompt):
             raise ValueError(f"routed_experts_start_len must be in [0, {len(prompt)}], got {routed_start}.")
+        if logprob.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be at least 0, got {logprob.top_logprobs_num}.")
+        check_token_ids("token_ids_logprob", logprob.token_ids_logprob or (), self.runner.vocab_size)
 
     def _check_total_tokens(self, prompt_len: int, max_new_tokens: int | None) -> None:
         """SGLang's tokenizer manager refuses a request whose prompt and max_new_tokens exceed the context."""
@@ -205,7 +235,7 @@ class EmbeddedEngine:
         stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
         return SamplingConfig(
             max_new_tokens=max_new,
-            temperature=p.temperature,
+            temperature=0.0 if p.temperature < GREEDY_BELOW else p.temperature,  # SGLang: greedy
             top_p=p.top_p,
             top_k=p.top_k,
             min_p=p.min_p,
@@ -234,6 +264,11 @@ class EmbeddedEngine:
         unfinished = {r.rid for r in requests}
         try:
             await self._pass_gate(unfinished)
+            if self.stopping:  # the worker is gone or going: nothing would answer these
+                for index, request in enumerate(requests):
+                    yield index, self._shutdown_result(request)
+                unfinished.clear()
+                return
             results: asyncio.Queue[tuple[int, GenerationResult]] = asyncio.Queue()
             for index, request in enumerate(requests):
                 sink = _indexed_sink(results, index)
@@ -252,6 +287,11 @@ class EmbeddedEngine:
             self._inflight.subtract(rids)
             self._inflight += Counter()  # drop zero counts
             self._aborted_at_gate.difference_update(rids)
+
+    def _shutdown_result(self, request: GenRequest) -> GenerationResult:
+        state = ReqState(request, sink=lambda _result: None, generator_seed=0)
+        state.abort("The server is shutting down.")
+        return state.result(self.detok, self.weight_version, in_queue_abort=True)
 
     async def _pass_gate(self, rids: set[str]) -> None:
         """Wait while the engine is paused; an abort meanwhile is remembered for these requests."""
@@ -351,8 +391,9 @@ class EmbeddedEngine:
     # ----- LoRA --------------------------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str, pinned: bool) -> None:
         async with self._lora_lock:
+            check_adapter_name(name)  # before the folder is read: a bad name is refused whatever the path
             self.lora.check_new(name, read_adapter_config(path))
-            await self.scheduler.call(lambda: self.runner.load_adapter_from_path(name, path))
+            await self.scheduler.call(lambda: _as_bad_adapter(name, path, self.runner.load_adapter_from_path))
             self.lora.register(LoRARef(name, path, pinned))
 
     async def load_lora_from_tensors(self, body: LoadLoRAAdapterFromTensorsReqInput) -> None:
@@ -406,7 +447,7 @@ class EmbeddedEngine:
         }
 
     def server_info(self) -> dict:
-        info = {k: v for k, v in asdict(self.args).items() if k != "ignored_flags"}
+        info = {k: v for k, v in asdict(self.args).items() if k not in NOT_IN_SERVER_INFO}
         info["lora_paths"] = [asdict(ref) for ref in self.lora.refs()]
         info.update(
             weight_version=self.weight_version,
@@ -445,44 +486,32 @@ def _eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _verify_sampling(p: SamplingParams) -> None:
-    """SGLang's ``SamplingParams.verify`` checks and messages."""
-    if p.temperature < 0.0:
-        raise ValueError(f"temperature must be non-negative, got {p.temperature}.")
-    if not 0.0 < p.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p.top_p}.")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {p.min_p}.")
-    if p.top_k < 1 and p.top_k != -1:
-        raise ValueError(f"top_k must be -1 (disable), or at least 1, got {p.top_k}.")
-    if p.max_new_tokens is not None and p.max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
-    if p.min_new_tokens < 0 or (p.max_new_tokens is not None and p.min_new_tokens > p.max_new_tokens):
-        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}.")
-    if p.n < 1:
-        raise ValueError(f"n must be at least 1, got {p.n}.")
-    if any(getattr(p, k) is not None for k in ("json_schema", "regex", "ebnf", "structural_tag")):
-        raise ValueError("Constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported.")
+def _as_bad_adapter(name: str, path: str, load: Callable[[str, str], None]) -> None:
+    """peft's load of an adapter folder, its failures (a config peft refuses, weights that do not fit the model)
+    reported as the request's error, a 400."""
+    try:
+        load(name, path)
+    except Exception as exc:
+        raise ValueError(f"Failed to load LoRA adapter {name} from {path}: {exc}") from exc
 
 
-def _per_item(value, count: int, field: str) -> list:
+def _per_item(value, count: int, field: str, batched: bool = True) -> list:
     if isinstance(value, list):
+        if not batched:
+            raise ValueError(f"{field} must be a single value for a single prompt; a list is for a batch of prompts.")
         if len(value) != count:
-            raise ValueError(f"{field} has {len(value)} entries but the batch has {count} prompts.")
+            raise ValueError(f"{field} has {len(value)} entries but the request has {count} prompts.")
         return value
     return [value] * count
 
 
-def _at(value, index: int):
-    return value[index] if isinstance(value, list) else value
-
-
-def _token_ids_logprob(value, index: int, batched: bool) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if value and isinstance(value[0], list):
-        return tuple(value[index] if batched else value[0])
-    return tuple(value)
+def _token_ids_logprob(value: list | None, count: int) -> list[tuple[int, ...] | None]:
+    """One flat list for every prompt, or one list per prompt."""
+    if not value:
+        return [None] * count
+    if isinstance(value[0], list):
+        return [tuple(ids) for ids in _per_item(value, count, "token_ids_logprob")]
+    return [tuple(value)] * count
 
 
 def _item_rids(rid: str | list[str] | None, count: int, batched: bool) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from miles_runner.embedded_engine.args import ServerArgs
 from miles_runner.engine.tensor_wire import serialize_lora_tensors
 
-__all__ = ["LoRARef", "LoRARegistry", "read_adapter_config", "serialize_lora_tensors"]
+__all__ = ["LoRARef", "LoRARegistry", "check_adapter_name", "read_adapter_config", "serialize_lora_tensors"]
 
 TENSOR_SOURCE = "__tensor__"  # SGLang's lora_path for adapters that arrived as tensors
 
@@ -35,7 +35,39 @@ def read_adapter_config(path: str) -> dict:
     config_file = Path(path) / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"No adapter_config.json found in LoRA path {path}")
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"adapter_config.json in LoRA path {path} is not valid JSON: {exc}") from exc
+    check_adapter_config(config, f"adapter_config.json in LoRA path {path}")
+    return config
+
+
+def check_adapter_config(config: object, source: str) -> None:
+    """The fields the registry and peft read, with the types they need (a wrong one would fail deep inside peft)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{source} must be a JSON object, got {type(config).__name__}")
+    rank = config.get("r", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{source}: r must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise ValueError(f"{source}: lora_alpha must be a number, got {alpha!r}")
+    for key in ("target_modules", "target_parameters"):
+        value = config.get(key)
+        strings = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        if value is not None and not isinstance(value, str) and not strings:
+            raise ValueError(f"{source}: {key} must be a string or a list of strings, got {value!r}")
+
+
+def check_adapter_name(name: str) -> None:
+    """An adapter name becomes a key of peft's module dicts, which refuse '' and '.', and the suffix of a request's
+    ``model: "base:adapter"``."""
+    if not name or "." in name or ":" in name or not name.isprintable() or name != name.strip():
+        raise ValueError(
+            f"lora_name {name!r} is not a valid adapter name: use a non-empty name without '.', ':', spaces at "
+            "either end or control characters"
+        )
 
 
 class LoRARegistry:
@@ -77,6 +109,8 @@ class LoRARegistry:
         """Refuse a load that SGLang would refuse (duplicate name, rank or targets beyond the limits)."""
         if not self.enabled:
             raise ValueError("LoRA is not enabled. Please launch the server with --enable-lora.")
+        check_adapter_name(name)
+        check_adapter_config(adapter_config, "config_dict")
         if name in self._registry:
             raise ValueError(f"LoRA with name {name} already exists. Loaded LoRAs: {self._registry.keys()}")
         if self.max_loaded_loras is not None and len(self._registry) >= self.max_loaded_loras:

@@ -173,8 +173,14 @@ class ModelRunner:
         return self._mixable
 
     def load_adapter_from_path(self, name: str, path: str) -> None:
-        self._require_lora().load_adapter(path, adapter_name=name, is_trainable=False)
-        self.peft.eval()
+        peft = self._require_lora()
+        try:
+            peft.load_adapter(path, adapter_name=name, is_trainable=False)
+        except Exception:  # a refused load leaves nothing behind, so the name can be loaded again
+            if name in peft.peft_config:
+                peft.delete_adapter(name)
+            raise
+        peft.eval()
 
     def load_adapter_from_tensors(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict

@@ -39,6 +39,8 @@ def build_chat_requests(engine: EmbeddedEngine, body: ChatCompletionRequest) -> 
         for flag, message in _STREAM_INCOMPATIBLE.items():
             if getattr(body, flag):
                 raise ValueError(message)
+    if body.top_logprobs is not None and body.top_logprobs < 0:  # named as the chat client spells it
+        raise ValueError(f"top_logprobs must be at least 0, got {body.top_logprobs}.")
     adapter = _adapter(body)
     engine.lora.resolve([adapter])
     rid = body.rid or uuid.uuid4().hex

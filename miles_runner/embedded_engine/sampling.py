@@ -64,7 +64,9 @@ def _filtered_probs(probs: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     if config.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = torch.where(before < config.top_p * sorted_probs.sum(), sorted_probs, 0.0)
+        keep = before < config.top_p * sorted_probs.sum()
+        keep[0] = True  # the most likely token always stays (a tiny top_p, e.g. 5e-324, underflows to keep none)
+        sorted_probs = torch.where(keep, sorted_probs, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     if config.min_p > 0.0:
         probs = torch.where(probs >= config.min_p * probs.max(), probs, torch.zeros_like(probs))

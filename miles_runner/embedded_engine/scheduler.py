@@ -223,7 +223,7 @@ class Scheduler:
     def _step_safely(self) -> None:
         try:
             self._step()
-        except Exception as exc:  # a bug or a bad adapter must not kill the engine: fail the batch, go on
+        except Exception as exc:  # a bug outside any one request's work must not kill the engine: fail the batch
             logger.exception("generation step failed")
             for state in self._running:
                 state.abort(f"Internal error during generation: {exc}", status_code=500)
@@ -234,18 +234,35 @@ class Scheduler:
         prefill = [s for s in self._running if len(s.tokens) - s.kv_len > 1]
         decode = [s for s in self._running if len(s.tokens) - s.kv_len == 1]
         for group in (prefill, decode):
-            if not group:
-                continue
-            outputs = self.runner.forward([s.row_input() for s in group], self.pad_id)
-            for state, output in zip(group, outputs, strict=True):
-                logits = state.absorb_forward(output, self.detok)
-                state.append_token(state.sample(logits, self.detok.eos_token_ids), self.detok, self.context_length)
+            if group:
+                self._advance(group)
         for state in list(self._running):
             if state.finish_reason is not None:
                 self._running.remove(state)
                 self._deliver(state)
             elif state.req.stream:
                 self._deliver(state)
+
+    def _advance(self, group: list[ReqState]) -> None:
+        """One forward and one sampled token for each request of ``group``. A failure fails only the request it
+        belongs to: a batched forward that raises is retried row by row (forwards leave the rows' caches as they
+        were), and each request samples on its own, so the requests beside a bad one finish normally."""
+        try:
+            outputs = self.runner.forward([s.row_input() for s in group], self.pad_id)
+        except Exception as exc:
+            if len(group) == 1:
+                _fail(group[0], exc)
+                return
+            logger.exception("a batched forward of %d requests failed; retrying them one by one", len(group))
+            for state in group:
+                self._advance([state])
+            return
+        for state, output in zip(group, outputs, strict=True):
+            try:
+                logits = state.absorb_forward(output, self.detok)
+                state.append_token(state.sample(logits, self.detok.eos_token_ids), self.detok, self.context_length)
+            except Exception as exc:
+                _fail(state, exc)
 
     def _deliver(self, state: ReqState, *, in_queue_abort: bool = False) -> None:
         result = state.result(self.detok, self.weight_version, in_queue_abort=in_queue_abort)
@@ -255,6 +272,12 @@ class Scheduler:
         self.abort_matching(lambda _rid: True, "The server is shutting down.")
         for deferred in self._deferred:
             self._loop.call_soon_threadsafe(settle_future, deferred.future, None, RuntimeError("server shutting down"))
+
+
+def _fail(state: ReqState, exc: Exception) -> None:
+    """End one request with SGLang's internal-error abort (a 500 for it alone); the step removes and delivers it."""
+    logger.error("request %s failed during generation: %r", state.rid, exc, exc_info=exc)
+    state.abort(f"Internal error during generation: {exc}", status_code=500)
 
 
 def settle_future(future: asyncio.Future, outcome: Any, failed: BaseException | None) -> None:

@@ -52,13 +52,15 @@ def router_argv(
     return [executable, *argv[1:], *extra]
 
 
-def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Sequence[str], timeout_s: float) -> None:
+def wait_for_workers(
+    router: ManagedProcess, router_url: str, worker_urls: Sequence[str], timeout_s: float, *, api_key: str | None = None
+) -> None:
     """Block until the router lists every one of `worker_urls`; else stop it and raise ProcessStartError.
 
     The router answers /health at once and silently leaves out a worker it could not reach at start."""
     expected = {worker.rstrip("/") for worker in worker_urls}
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=router_url, timeout=5.0, trust_env=False) as http:
+    with _router_http(router_url, api_key) as http:
         while (registered := set(_registered_workers(http))) != expected:
             if not router.alive or time.monotonic() >= deadline:
                 missing = sorted(expected - registered)
@@ -66,12 +68,12 @@ def wait_for_workers(router: ManagedProcess, router_url: str, worker_urls: Seque
             time.sleep(0.2)
 
 
-def ensure_worker(router_url: str, worker_url: str, timeout_s: float) -> None:
+def ensure_worker(router_url: str, worker_url: str, timeout_s: float, *, api_key: str | None = None) -> None:
     """Register `worker_url` again (POST /workers) unless the router still lists it, then wait until it does:
     a router drops a worker that failed its health checks, e.g. an engine that died and was restarted."""
     worker = worker_url.rstrip("/")
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=router_url, timeout=5.0, trust_env=False) as http:
+    with _router_http(router_url, api_key) as http:
         if worker not in _registered_workers(http):
             http.post("/workers", json={"url": worker, "worker_type": "regular"})
         while worker not in _registered_workers(http):
@@ -89,16 +91,24 @@ def worker_urls_of(body: Any, *, healthy_only: bool = False) -> list[str]:
     return [url.rstrip("/") for url in body["urls"]]
 
 
-async def list_workers(router_url: str, *, timeout_s: float = 10.0, healthy_only: bool = False) -> list[str]:
+async def list_workers(
+    router_url: str, *, timeout_s: float = 10.0, healthy_only: bool = False, api_key: str | None = None
+) -> list[str]:
     """The engine URLs behind a router: GET /workers, or /list_workers on routers that predate it;
     `healthy_only` leaves out the workers the router marks unhealthy (it stops routing to them)."""
-    async with EngineClient(router_url, timeout_s=timeout_s) as router:
+    async with EngineClient(router_url, api_key=api_key, timeout_s=timeout_s) as router:
         response = await router.request("GET", "/workers")
         if response.status_code == 404:
             response = await router.request("GET", "/list_workers")
         if response.is_error:
             raise engine_error(response)
         return worker_urls_of(response.json(), healthy_only=healthy_only)
+
+
+def _router_http(router_url: str, api_key: str | None) -> httpx.Client:
+    """A router started with the run's key (--api-key) requires it on every route but /health."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.Client(base_url=router_url, timeout=5.0, headers=headers, trust_env=False)
 
 
 def _registered_workers(http: httpx.Client) -> list[str]:

@@ -38,13 +38,15 @@ def fixed_workers(urls: Sequence[str]) -> WorkerSource:
     return workers
 
 
-def router_workers(router_url: str, *, healthy_only: bool = False) -> WorkerSource:
+def router_workers(router_url: str, *, healthy_only: bool = False, api_key: str | None = None) -> WorkerSource:
     """The engines are whatever the router lists right now (`healthy_only`: those it still routes to). A router
     that cannot be asked reads as EngineUnavailable."""
 
     async def workers() -> list[str]:
         try:
-            return await list_workers(router_url, timeout_s=WORKER_LIST_TIMEOUT_S, healthy_only=healthy_only)
+            return await list_workers(
+                router_url, timeout_s=WORKER_LIST_TIMEOUT_S, healthy_only=healthy_only, api_key=api_key
+            )
         except EngineError as error:
             raise EngineUnavailable(f"the router at {router_url} did not list its workers: {error}") from error
 
@@ -76,7 +78,8 @@ class WorkerPool:
     ) -> WorkerPool:  # fmt: skip
         """The router's healthy workers when there is a router, else the engines themselves."""
         if router_url:
-            source, where = router_workers(router_url, healthy_only=True), f"the router at {router_url}"
+            source = router_workers(router_url, healthy_only=True, api_key=api_key)
+            where = f"the router at {router_url}"
         else:
             source, where = fixed_workers(engine_urls), f"the engines {list(engine_urls)}"
         return cls(source, where=where, api_key=api_key, timeout_s=timeout_s)

@@ -70,11 +70,13 @@ class RayControllerService:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from miles_runner.executors.ray import key_runtime_env
+
         head = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor_class = ray.remote(num_cpus=0)(ControllerActorBody)
-        self.actor = actor_class.options(name=CONTROLLER_ACTOR, namespace=NAMESPACE, scheduling_strategy=head).remote(
-            plan_to_dict(self.plan), str(self.run_dir.resolve())
-        )
+        self.actor = actor_class.options(
+            name=CONTROLLER_ACTOR, namespace=NAMESPACE, scheduling_strategy=head, runtime_env=key_runtime_env(self.plan)
+        ).remote(plan_to_dict(self.plan), str(self.run_dir.resolve()))
         try:
             ray.get(self.actor.start.remote())
         except BaseException:

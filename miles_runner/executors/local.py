@@ -32,6 +32,7 @@ from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
 from miles_runner.plan.model import EnginePlan, Launch, Plan, engine_rank_name, plan_on_nodes, server_launches
 from miles_runner.plan.model_shape import checkpoint_config, describe_mismatches, shape_mismatches
+from miles_runner.plan.secrets import run_api_key
 from miles_runner.procs.launch import check_ports, launch_process
 from miles_runner.procs.ports import LOOPBACK, port_is_free
 from miles_runner.procs.process import ManagedProcess, ProcessGroup
@@ -53,6 +54,11 @@ class Deployment:
     processes: list[ManagedProcess] = field(default_factory=list)
     # Starts the trainer ranks placed on other nodes (trainer.ranks.RemoteRanks); None on one node.
     remote_ranks: Any = None
+    # The run's key (security.api_key_env): every server requires it, so every client the driver makes sends it.
+    api_key: str | None = field(default=None, repr=False)
+    # Where the engines reach the trainer (rank 0's weight-update store): loopback on one node, node 0's own
+    # address when the plan's engines run on other nodes (the store listens on exactly that address).
+    trainer_address: str = LOOPBACK
 
 
 class Executor:
@@ -104,6 +110,7 @@ class LocalExecutor(Executor):
         self.ranks: dict[str, ManagedProcess] = {}  # node ranks > 0 of engines wider than a node, by name
         self.engine_names = {e.name for e in plan.engines}
         self.restarts = [0] * len(plan.engines)
+        self.api_key: str | None = None  # read from the environment at start (a missing key starts nothing)
 
     def launches(self) -> list[tuple[str, Launch]]:
         return [(name, launch) for name, launch in server_launches(self.plan) if name in self.mine]
@@ -158,6 +165,7 @@ class LocalExecutor(Executor):
         """Check every port of this node's components, build the model if needed, and start this node's engine
         ranks together (their model loads overlap; the ranks of an engine wider than a node meet while loading),
         each healthy before this returns."""
+        self.api_key = run_api_key(self.plan.security.api_key_env)
         self.check_ports()
         self.prepare_model()
         processes = self.engine_processes()
@@ -184,7 +192,7 @@ class LocalExecutor(Executor):
                 self.group.start(process := self.process(name, launch))
                 if name == "router":  # it answers /health at once, but drops engines it could not reach
                     wait_for_workers(process, launch.url, [e.launch.url for e in self.plan.engines],
-                                     self.startup_timeout_s)
+                                     self.startup_timeout_s, api_key=self.api_key)
         except BaseException:
             self.group.stop()
             raise
@@ -196,6 +204,7 @@ class LocalExecutor(Executor):
             rollout_url=plan.rollout_url,
             session_url=plan.session.launch.url if plan.session else None,
             processes=list(self.group.processes),
+            api_key=self.api_key,
         )
 
     def start_process(self, name: str, launch: Launch) -> ManagedProcess:
@@ -249,4 +258,4 @@ class LocalExecutor(Executor):
                                   log_path=str(dead.log_path), log_tail=dead.log_tail())
         self.engines[index] = self.group.replace(dead, self.engine_process(engine))
         if self.plan.router:
-            ensure_worker(self.plan.router.launch.url, engine.launch.url, self.startup_timeout_s)
+            ensure_worker(self.plan.router.launch.url, engine.launch.url, self.startup_timeout_s, api_key=self.api_key)

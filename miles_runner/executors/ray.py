@@ -39,6 +39,8 @@ from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.executors.local import Deployment, Executor, LocalExecutor
 from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict, server_launches
+from miles_runner.plan.secrets import key_environment, run_api_key
+from miles_runner.procs.ports import LOOPBACK
 from miles_runner.procs.process import ManagedProcess
 
 logger = logging.getLogger(__name__)
@@ -208,6 +210,7 @@ class RayExecutor(Executor):
         return self.startup_timeout_s or self.plan.executor.health_timeout_s
 
     def start(self) -> Deployment:
+        api_key = run_api_key(self.plan.security.api_key_env)  # a keyed run without its key starts nothing
         self._init_ray()
         try:
             self._check_nodes_offered()
@@ -217,7 +220,8 @@ class RayExecutor(Executor):
             self.stop()
             raise
         return Deployment(info["engine_urls"], info["rollout_url"], info["session_url"],
-                          remote_ranks=AgentRanks(self.agents, self.run_dir.resolve()))  # fmt: skip
+                          remote_ranks=AgentRanks(self.agents, self.run_dir.resolve()), api_key=api_key,
+                          trainer_address=self.agents[0].address if len(self.agents) > 1 else LOOPBACK)  # fmt: skip
 
     def _init_ray(self) -> None:
         import ray
@@ -267,7 +271,7 @@ class RayExecutor(Executor):
         for node in range(self.plan.cluster.nodes):
             group, index = where[node]
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
-            actor = agent_class.options(scheduling_strategy=strategy).remote(
+            actor = agent_class.options(scheduling_strategy=strategy, runtime_env=key_runtime_env(self.plan)).remote(
                 plan_dict, run_dir, node, self.startup_timeout_s)
             agents.append(AgentHandle(node, actor))
         for agent, info in zip(agents, self._gather([a.actor.where.remote() for a in agents], agents), strict=True):
@@ -395,6 +399,13 @@ class RayExecutor(Executor):
             ray.kill(agent.actor)
         for group in self.groups:
             remove_placement_group(group)
+
+
+def key_runtime_env(plan: Plan) -> dict[str, Any] | None:
+    """The run's key for an actor on any node (its processes inherit the actor's environment). It travels in Ray's
+    task spec: anyone who can reach the Ray cluster can read it (and run code there anyway), see SECURITY.md."""
+    env = key_environment(plan.security.api_key_env)
+    return {"env_vars": env} if env else None
 
 
 def run_bounded(work: Callable[[], None], timeout_s: float) -> bool:

@@ -16,10 +16,13 @@ from miles_runner.loops.multi_lora import MultiLoRALoop
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
+from miles_runner.plan.secrets import require_run_key
 
 
 def run_plan(plan: Plan, run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
-    """Train as the plan says; returns the step records (metrics.jsonl holds the same)."""
+    """Train as the plan says; returns the step records (metrics.jsonl holds the same). A keyed run whose key
+    is not in the environment is refused before anything starts."""
+    require_run_key(plan.security.api_key_env)
     loop = MultiLoRALoop if plan.capabilities.multi_lora else SingleAdapterLoop
     return loop(plan, Path(run_dir), resume=resume).run()
 

@@ -10,6 +10,8 @@ steps trained, so a batch lags the trainer by up to interval - 1 versions, plus 
 and a batch beyond the bound stops the run. Every push is verified (lora/verify.py): each engine reports the new
 version, and with plan.sync.verify every engine's logprobs of the push probe (lora/probe.py) must match the
 trainer's, which still holds exactly the pushed adapter, before it trains further.
+An engine that dies mid-run is restarted per `executor.engine_restarts` (engine_restarts.py): the interrupted
+rollout or push runs again and each step is trained once; with no restarts left the run ends naming the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.engine.client import EngineClient
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
+from miles_runner.loops.engine_restarts import EngineRestarts
 from miles_runner.lora.probe import PushProbe, probe_token_ids
 from miles_runner.lora.sync import make_sync
 from miles_runner.lora.verify import SyncVerificationError
@@ -61,6 +65,16 @@ def check_staleness(samples: list[Sample], version: int, max_staleness: int) -> 
     return version - oldest
 
 
+@dataclass
+class PendingRollout:
+    """A rollout under way: its task, its prompts (to generate again if an engine dies under it) and the engine
+    deaths recovered from when it started."""
+
+    task: asyncio.Task
+    prompts: list[Any]
+    deaths_before: int
+
+
 def push_due(done: int, total: int, interval: int) -> bool:
     """Whether the adapter is pushed after `done` steps: every `interval` steps, and after the last one."""
     return done % interval == 0 or done == total
@@ -79,7 +93,8 @@ class SingleAdapterLoop:
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-build") as pool:
                 early = pool.submit(self._make_trainer, None) if self._trainer_builds_early() else None
-                with make_executor(self.plan, self.run_dir) as deployment:
+                self.executor = make_executor(self.plan, self.run_dir)
+                with self.executor as deployment:
                     self._stamp("engines_ready")
                     return asyncio.run(self._loop(deployment, early))
         finally:
@@ -114,11 +129,12 @@ class SingleAdapterLoop:
 
     async def _run_with(self, trainer, deployment) -> list[dict[str, Any]]:
         plan = self.plan
-        engines = [EngineClient(url) for url in deployment.engine_urls]
-        rollout_client = rollout_workers(plan, deployment.engine_urls)  # groups spread over the engines
-        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
+        key = deployment.api_key  # the run's key: every server requires it
+        engines = [EngineClient(url, api_key=key) for url in deployment.engine_urls]
+        rollout_client = rollout_workers(plan, deployment.engine_urls, api_key=key)  # groups spread over the engines
+        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url, api_key=key)
         # One connection pool to the session server for the whole run: every rollout reuses its connections.
-        self.session_clients = SessionClients(str(ctx.session_url)) if ctx.session_url else None
+        self.session_clients = SessionClients(str(ctx.session_url), api_key=key) if ctx.session_url else None
         stream = PromptStream(ctx.task)
         start = 0
         if self.resume and (saved := load_latest(self.run_dir)):
@@ -127,7 +143,8 @@ class SingleAdapterLoop:
             stream.load_state_dict(meta["data"])
             start = meta["step"]
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
-        sync = make_sync(plan, engines, plan.adapters[0].lora_name)
+        sync = make_sync(plan, engines, plan.adapters[0].lora_name, trainer_address=deployment.trainer_address)
+        self.restarts = EngineRestarts(self.executor, sync, self.run_dir, plan.executor.engine_restarts)
         self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.sync.max_logprob_gap)
                       if plan.sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
@@ -154,7 +171,7 @@ class SingleAdapterLoop:
         step_started = time.perf_counter()  # a step's seconds run to its record from the previous one's
         for step in range(start, total):  # the trainer holds weight version `step` (steps trained so far)
             self.tracker.phase(step, "rollout")
-            samples, rollout_metrics = await pending
+            samples, rollout_metrics = await self._rollout_result(pending, ctx, step)
             pending = None
             staleness = check_staleness(samples, step, plan.sync.staleness_bound)
             more = step + 1 < total
@@ -167,7 +184,7 @@ class SingleAdapterLoop:
             sync_metrics = {}
             if push_due(step + 1, total, plan.sync.update_weights_interval):
                 if pending is not None:
-                    await asyncio.wait([pending])  # spec: the update waits for the in-flight generation
+                    await asyncio.wait([pending.task])  # spec: the update waits for the in-flight generation
                 self.tracker.phase(step, "sync")
                 sync_metrics = await self._sync(trainer, sync, step + 1)
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
@@ -182,10 +199,23 @@ class SingleAdapterLoop:
             if not overlap and more:
                 pending = self._start_rollout(ctx, stream)
 
-    def _start_rollout(self, ctx, stream) -> asyncio.Task:
+    def _start_rollout(self, ctx, stream) -> PendingRollout:
         """Take the prompts now (the data cursor moves here, not when the task first runs), generate later."""
-        prompts = stream.next_batch(self.plan.batch.rollout_batch_size)
-        return asyncio.create_task(self._rollout(ctx, prompts))
+        return self._generate(ctx, stream.next_batch(self.plan.batch.rollout_batch_size))
+
+    def _generate(self, ctx, prompts) -> PendingRollout:
+        return PendingRollout(asyncio.create_task(self._rollout(ctx, prompts)), prompts, self.restarts.count)
+
+    async def _rollout_result(self, pending: PendingRollout, ctx, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """The rollout's samples; generated again from the same prompts while an engine that died under it could be
+        restarted (executor.engine_restarts)."""
+        while True:
+            try:
+                return await pending.task
+            except Exception as error:
+                if not await self.restarts.recovered_rollout(error, step, pending.deaths_before):
+                    raise
+            pending = self._generate(ctx, pending.prompts)
 
     async def _rollout(self, ctx, prompts) -> tuple[list[Sample], dict[str, float]]:
         started = time.perf_counter()
@@ -208,7 +238,7 @@ class SingleAdapterLoop:
     async def _push(self, sync, tensors, trainer, version: int, *, what: str):
         """Push, then probe every engine while the trainer holds exactly the pushed adapter (plan.sync.verify)."""
         try:
-            report = await sync.push(tensors, trainer.adapter_config(), version)
+            report = await self.restarts.push(tensors, trainer.adapter_config(), version, step=version)
         except SyncVerificationError as error:
             raise SyncVerificationError(f"{what}: {error}") from None
         self.engine_version = version

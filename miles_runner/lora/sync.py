@@ -16,14 +16,18 @@ from miles_runner.lora.adapter_sync import AdapterSync
 from miles_runner.lora.broadcast import BroadcastSync
 from miles_runner.lora.tensor_sync import TensorSync
 from miles_runner.plan.model import Plan
+from miles_runner.procs.ports import LOOPBACK
 
 
-def make_sync(plan: Plan, clients: Sequence[EngineClient], lora_name: str | None = None) -> AdapterSync:
-    """The plan's strategy; `lora_name` is the adapter a push updates unless the push names another."""
+def make_sync(
+    plan: Plan, clients: Sequence[EngineClient], lora_name: str | None = None, *, trainer_address: str = LOOPBACK
+) -> AdapterSync:
+    """The plan's strategy; `lora_name` is the adapter a push updates unless the push names another.
+    `trainer_address` is where the engines reach this process (the broadcast group's store listens there)."""
     if plan.sync.method == "tensor":
         return TensorSync(clients, plan, lora_name)
     if plan.sync.method == "broadcast":
         # Requests paused in place still hold the adapter, so an unload would wait for them forever: upsert.
         upsert = plan.sync.pause_generation_mode == "in_place" or plan.capabilities.multi_lora
-        return BroadcastSync(clients, plan, lora_name, upsert=upsert)
+        return BroadcastSync(clients, plan, lora_name, upsert=upsert, master_address=trainer_address)
     raise ValueError(f"adapter sync has no {plan.sync.method!r} method (the plan compiler rejects it)")

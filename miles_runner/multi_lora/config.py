@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.core.adapters import AdapterLimits, AdapterSpec, adapter_name_problem, adapter_problems
-from miles_runner.plan.derive import resolve_data_path
+from miles_runner.plan.derive import BUNDLED_DATA, resolve_data_path
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,17 @@ class AdapterDefaults:
     n_samples_per_prompt: int
     task: str
     reward: str
-    save_root: str  # an adapter's save folder defaults to <save_root>/adapters/<name>
+    save_root: str  # an adapter's save folder defaults to <save_root>/adapters/<name>, and must be inside it
+    # Folders an adapter's data file may be read from, besides the bundled prompt sets and the save root.
+    data_roots: tuple[str, ...] = ()
 
+    @property
+    def adapters_root(self) -> Path:
+        return Path(self.save_root).resolve() / "adapters"
 
+    def readable_roots(self) -> tuple[Path, ...]:
+        roots = [BUNDLED_DATA, *(Path(root) for root in self.data_roots)]
+        return tuple(root.resolve() for root in roots) + ((Path(self.save_root).resolve(),) if self.save_root else ())
 
 
 def plan_overrides(adapter: AdapterSpec) -> dict[str, Any]:
@@ -104,26 +112,61 @@ def resolve_adapter_config(
         "lr": defaults.lr,
         "rollout_batch_size": defaults.rollout_batch_size,
         "n_samples_per_prompt": defaults.n_samples_per_prompt,
-        "save": str(Path(defaults.save_root) / "adapters" / name) if defaults.save_root else "",
+        "save": str(defaults.adapters_root / name) if defaults.save_root else "",
         "metadata": {},
         "agent": None,
         **given,
     }
     values["data"] = resolve_data_path(values.get("data") or "")  # bundled:NAME, or relative to the controller
-    problems = config_problems(name, values, limits)
+    problems = config_problems(name, values, limits) + place_problems(values, defaults)
     if problems:
         raise ValueError(f"adapter '{name}' cannot run: " + "; ".join(problems))
     return AdapterRunConfig.from_dict({**values, "target_modules": tuple(values["target_modules"])})
 
 
 def config_problems(name: str, values: Mapping[str, Any], limits: AdapterLimits) -> list[str]:
-    """The one adapter check (core.adapters), plus what only a running controller can check: a save folder,
-    a data file on this host, and metadata."""
+    """The one adapter check (core.adapters), plus what only a running controller can check: a save folder
+    and metadata (where save and data may be: place_problems)."""
     problems = [str(p) for p in adapter_problems(name, values, limits)]
     if not values["save"]:
         problems.append("no save folder: set 'save', or give the controller a save root")
-    if values.get("data") and not Path(values["data"]).exists():
-        problems.append(f"data '{values['data']}' does not exist on the controller's host")
     if not isinstance(values["metadata"], Mapping):
         problems.append("metadata must be a mapping")
     return problems
+
+
+def place_problems(values: dict[str, Any], defaults: AdapterDefaults) -> list[str]:
+    """An API caller must not make the controller write or read outside the run's folders: `save` goes inside
+    <save_root>/adapters (a relative one is taken from there), `data` is a file inside a readable root. The
+    answer is the same whether a refused path exists or not (it must not tell a caller what is on the host)."""
+    problems = []
+    if defaults.save_root and (save := values["save"]):
+        root = defaults.adapters_root
+        if (resolved := resolved_inside(root, save)) is None or resolved == root:
+            problems.append(f"save must name a folder inside {root}, got {save!r}")
+        else:
+            values["save"] = str(resolved)  # a relative one is taken from the adapters folder
+    if data := values.get("data"):
+        roots = defaults.readable_roots()
+        if not any(is_file_inside(root, data) for root in roots):
+            problems.append(f"data {data!r} is not a readable file under the controller's data folders "
+                            f"({', '.join(map(str, roots))})")
+    return problems
+
+
+def resolved_inside(root: Path, path: str) -> Path | None:
+    """`path` taken from `root` with links and '..' resolved, if it stays inside `root`; else None (also for a
+    path the OS refuses: a NUL byte, a name too long)."""
+    try:
+        resolved = (root / path).resolve()
+    except (OSError, ValueError):
+        return None
+    return resolved if resolved.is_relative_to(root) else None
+
+
+def is_file_inside(root: Path, path: str) -> bool:
+    resolved = resolved_inside(root, path)
+    try:
+        return resolved is not None and resolved.is_file()
+    except (OSError, ValueError):
+        return False

@@ -31,12 +31,14 @@ class MultiLoRAController:
         workers: WorkerSource,
         *,
         abort_timeout_s: float = ABORT_TIMEOUT_S,
+        api_key: str | None = None,
     ) -> None:
         self.defaults = defaults
         self.limits = limits
         self.registry = AdapterRegistry(limits.max_slots)
         self._workers = workers
         self._abort_timeout_s = abort_timeout_s
+        self._api_key = api_key  # the run's key: a keyed engine refuses an abort without it
 
     # ---- registration -------------------------------------------------------------------------------
 
@@ -76,7 +78,7 @@ class MultiLoRAController:
                 log.warning("aborting adapter %s on %s failed: %r", name, url, result)
 
     async def _abort_on(self, url: str, name: str) -> None:
-        async with EngineClient(url, timeout_s=self._abort_timeout_s) as engine:
+        async with EngineClient(url, api_key=self._api_key, timeout_s=self._abort_timeout_s) as engine:
             await engine.abort_request(rid_prefix(name), prefix=True)
 
     def record_weight_update(self, names: Iterable[str]) -> None:

@@ -3,16 +3,19 @@
 Public routes: GET /health; GET/POST /adapter_runs; GET /adapter_runs/state?names=...; GET/DELETE
 /adapter_runs/{name}; GET /state (the registry snapshot). A bad request gets a 4xx with a message: 400 for a
 config or name the checks reject (or neither/both of config and yaml_path), 404 for an unknown adapter, 409
-when no slot is free, 422 for a body of the wrong shape. With an API token, every route but /health needs
-`Authorization: Bearer <token>` (401 without it). DELETE only marks the adapter; its requests are aborted and
-its slot freed when the driver next reconciles.
+when no slot is free, 422 for a body of the wrong shape; the OpenAPI schema documents each route's codes and
+bodies (api_schema.py). With a key (a run's: --api-key-env from security.api_key_env), every route but /health
+needs `Authorization: Bearer <key>` (401 without it). An adapter's `save` folder must lie inside the run's
+adapters folder and its `data` file inside the controller's data folders (multi_lora/config.py). DELETE only
+marks the adapter; its requests are aborted and its slot freed when the driver next reconciles. SIGTERM ends the
+service within GRACEFUL_SHUTDOWN_S, whatever requests are still running.
 
 Run standalone or from a saved plan: `python -m miles_runner.multi_lora.http_server --help`.
 """
 
 from __future__ import annotations
 
-import hmac
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +25,24 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
+from miles_runner.engine.auth import bearer_matches
 from miles_runner.engine.fastapi_app import fastapi_app
+from miles_runner.multi_lora.api_schema import (
+    AdapterList,
+    AdapterStates,
+    AdapterStatus,
+    Deregistered,
+    Health,
+    Names,
+    NumStep,
+    Ok,
+    Registered,
+    RegistryState,
+    Slot,
+    Step,
+    error_responses,
+)
+from miles_runner.multi_lora.config import is_file_inside
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
 from miles_runner.multi_lora.settings import load_settings, parse_args
@@ -84,6 +104,9 @@ class StepBody(_Body):
     step: StrictInt
 
 
+GRACEFUL_SHUTDOWN_S = 5
+
+
 class BadRequest(ValueError):
     """A request the API refuses with 400 before it reaches the controller."""
 
@@ -97,39 +120,41 @@ def create_app(
     _add_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "healthy"}
+    async def health() -> Health:
+        return Health(status="healthy")
 
-    app.include_router(public_routes(controller, adapters_dir), dependencies=[Depends(bearer_check(api_token))])
-    app.include_router(control_routes(controller), dependencies=[Depends(bearer_check(api_token))])
+    keyed = {"dependencies": [Depends(bearer_check(api_token))], "responses": error_responses(401)}
+    app.include_router(public_routes(controller, adapters_dir), **keyed)
+    app.include_router(control_routes(controller), **keyed)
     return app
 
 
 def public_routes(controller: MultiLoRAController, adapters_dir: str | Path | None) -> APIRouter:
     routes = APIRouter()
 
-    @routes.get("/adapter_runs")
+    # Routes that return the registry's dicts name their model in response_model (FastAPI checks the dict).
+    @routes.get("/adapter_runs", response_model=AdapterList)
     async def list_adapter_runs() -> dict[str, Any]:
         return {"adapters": controller.adapter_statuses()}
 
-    @routes.get("/adapter_runs/state")  # before /adapter_runs/{name}, which would otherwise match "state"
-    async def adapter_states(names: Annotated[list[str], Query()]) -> dict[str, Any]:
+    @routes.get("/adapter_runs/state", response_model=AdapterStates)  # before /adapter_runs/{name}, which would
+    async def adapter_states(names: Annotated[list[str], Query()]) -> dict[str, Any]:  # otherwise match "state"
         return {"states": controller.adapter_states(names)}
 
-    @routes.get("/adapter_runs/{name}")
+    @routes.get("/adapter_runs/{name}", response_model=AdapterStatus, responses=error_responses(404))
     async def adapter_run(name: str) -> dict[str, Any]:
         return controller.adapter_status(name)
 
-    @routes.post("/adapter_runs")
+    @routes.post("/adapter_runs", response_model=Registered, responses=error_responses(400, 409))
     async def register(body: RegisterBody) -> dict[str, Any]:
         return controller.register_adapter(body.name, registration_config(body, adapters_dir))
 
-    @routes.delete("/adapter_runs/{name}")
-    async def deregister(name: str) -> dict[str, Any]:
+    @routes.delete("/adapter_runs/{name}", responses=error_responses(404))
+    async def deregister(name: str) -> Deregistered:
         controller.deregister_adapter(name)
-        return {"status": "ok", "name": name}
+        return Deregistered(status="ok", name=name)
 
-    @routes.get("/state")
+    @routes.get("/state", response_model=RegistryState)
     async def state() -> dict[str, Any]:
         return controller.snapshot().to_dict()
 
@@ -141,39 +166,39 @@ def control_routes(controller: MultiLoRAController) -> APIRouter:
     routes = APIRouter(prefix="/control")
 
     @routes.post("/retire_adapters")
-    async def retire_adapters() -> dict[str, Any]:
-        return {"names": await controller.retire_adapters()}
+    async def retire_adapters() -> Names:
+        return Names(names=await controller.retire_adapters())
 
-    @routes.post("/free_slot")
-    async def free_slot(body: NameBody) -> dict[str, Any]:
-        return {"slot": await controller.free_slot(body.name)}
+    @routes.post("/free_slot", responses=error_responses(400))
+    async def free_slot(body: NameBody) -> Slot:
+        return Slot(slot=await controller.free_slot(body.name))
 
-    @routes.post("/record_weight_update")
-    async def record_weight_update(body: NamesBody) -> dict[str, Any]:
+    @routes.post("/record_weight_update", responses=error_responses(400, 404))
+    async def record_weight_update(body: NamesBody) -> Ok:
         controller.record_weight_update(body.names)
-        return {"status": "ok"}
+        return Ok(status="ok")
 
-    @routes.post("/record_batch_adapters")
-    async def record_batch_adapters(body: BatchBody) -> dict[str, Any]:
+    @routes.post("/record_batch_adapters", responses=error_responses(400))
+    async def record_batch_adapters(body: BatchBody) -> Ok:
         controller.record_batch_adapters(body.rollout_id, body.group_counts, body.step_names)
-        return {"status": "ok"}
+        return Ok(status="ok")
 
-    @routes.post("/mark_batch_trained")
-    async def mark_batch_trained(body: RolloutIdBody) -> dict[str, Any]:
-        return {"names": controller.mark_batch_trained(body.rollout_id)}
+    @routes.post("/mark_batch_trained", responses=error_responses(400, 404))
+    async def mark_batch_trained(body: RolloutIdBody) -> Names:
+        return Names(names=controller.mark_batch_trained(body.rollout_id))
 
-    @routes.post("/resolve_num_step")
-    async def resolve_num_step(body: NumStepBody) -> dict[str, Any]:
-        return {"num_step": controller.resolve_num_step(body.name, body.rows)}
+    @routes.post("/resolve_num_step", responses=error_responses(400, 404))
+    async def resolve_num_step(body: NumStepBody) -> NumStep:
+        return NumStep(num_step=controller.resolve_num_step(body.name, body.rows))
 
-    @routes.post("/set_adapter_step")
-    async def set_adapter_step(body: StepBody) -> dict[str, Any]:
+    @routes.post("/set_adapter_step", responses=error_responses(400, 404))
+    async def set_adapter_step(body: StepBody) -> Ok:
         controller.set_adapter_step(body.name, body.step)
-        return {"status": "ok"}
+        return Ok(status="ok")
 
-    @routes.get("/adapter_step/{name}")
-    async def adapter_step(name: str) -> dict[str, Any]:
-        return {"step": controller.adapter_step(name)}
+    @routes.get("/adapter_step/{name}", responses=error_responses(404))
+    async def adapter_step(name: str) -> Step:
+        return Step(step=controller.adapter_step(name))
 
     return routes
 
@@ -195,22 +220,20 @@ def registration_config(body: RegisterBody, adapters_dir: str | Path | None) -> 
 
 
 def read_adapter_yaml(relative: str, adapters_dir: str | Path | None) -> str:
-    """A file strictly inside `adapters_dir`: an API caller must not make the controller read anything else."""
+    """A file strictly inside `adapters_dir`: an API caller must not make the controller read anything else (nor
+    learn what exists: every refusal reads the same)."""
     if adapters_dir is None:
         raise BadRequest("yaml_path is disabled: start the controller with --adapters-dir to enable it")
     root = Path(adapters_dir).resolve()
-    path = (root / relative).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
-        raise BadRequest(f"yaml_path {relative!r} is not a file inside the controller's adapters folder")
-    return path.read_text()
+    if is_file_inside(root, relative):
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # unreadable, or not text
+            return (root / relative).resolve().read_text()
+    raise BadRequest(f"yaml_path {relative!r} is not a readable file inside the controller's adapters folder")
 
 
 def bearer_check(api_token: str | None):
     async def check(request: Request) -> None:
-        if api_token is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_token.encode()):
+        if api_token is not None and not bearer_matches(request.headers.get("authorization"), api_token):
             raise Unauthorized()
 
     return check
@@ -251,7 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = load_settings(args)
     app = create_app(settings.build_controller(), api_token=settings.api_token, adapters_dir=settings.adapters_dir)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # SIGTERM ends the service within GRACEFUL_SHUTDOWN_S: requests still running then (an abort waiting on an
+    # engine that does not answer) are cancelled rather than waited for.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # fmt: skip
 
 
 if __name__ == "__main__":

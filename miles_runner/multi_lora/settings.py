@@ -3,7 +3,10 @@
 From a plan: the slot count, the per-adapter cap and the trainer's dp size come from its multi-LoRA and
 trainer sections; the max LoRA rank and target modules are the flags its engines are started with (what
 the engines can actually serve); the engines to abort on are the plan's engines; the plan's adapters are
-registered at start, and their save folders default to <plan folder>/adapters/<name>.
+registered at start, and their save folders default to <plan folder>/adapters/<name>. Adapters registered
+over the API may read data files from the folders of the plan's own data files, the bundled prompt sets and the
+run folder. Its key is the run's (`--api-key-env`, from the plan's security.api_key_env), which it also sends to
+the engines and the router.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from miles_runner.multi_lora.config import AdapterDefaults, plan_overrides
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
+from miles_runner.plan.secrets import secret_value
 from miles_runner.plugins.lookup import registered
 
-TOKEN_ENV = "MILES_MULTI_LORA_API_TOKEN"  # preferred over --api-token: argv is visible to every local user
+# The standalone controller's key variable; a run's controller reads the run's (--api-key-env, from the plan's
+# security.api_key_env). Only a variable's name is ever in argv: argv is visible to every local user.
+TOKEN_ENV = "MILES_MULTI_LORA_API_TOKEN"
 DEFAULT_PORT = 8068
 
 
@@ -39,8 +45,9 @@ class ControllerSettings:
     adapters_dir: str | None = None  # enables POST {"yaml_path"} for files inside it
 
     def build_controller(self) -> MultiLoRAController:
-        workers = router_workers(self.router_url) if self.router_url else fixed_workers(self.engine_urls)
-        controller = MultiLoRAController(self.defaults, self.limits, workers)
+        key = self.api_token  # the run's one key: the controller requires it, and the engines and router too
+        workers = router_workers(self.router_url, api_key=key) if self.router_url else fixed_workers(self.engine_urls)
+        controller = MultiLoRAController(self.defaults, self.limits, workers, api_key=key)
         for name, overrides in self.adapters:
             controller.register_adapter(name, overrides)
         return controller
@@ -79,6 +86,7 @@ def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
         task=plan.rollout.task,
         reward=plan.rollout.reward,
         save_root=str(plan_dir),
+        data_roots=plan_data_roots(plan),
     )
     return ControllerSettings(
         defaults=defaults,
@@ -86,6 +94,12 @@ def settings_from_plan(plan: Plan, plan_dir: Path) -> ControllerSettings:
         engine_urls=tuple(engine.launch.url for engine in plan.engines),
         adapters=tuple((adapter.name, plan_overrides(adapter)) for adapter in plan.adapters),
     )
+
+
+def plan_data_roots(plan: Plan) -> tuple[str, ...]:
+    """The folders of the data files the plan names: an adapter registered at run time may read from them too."""
+    files = [plan.rollout.data, *(adapter.data for adapter in plan.adapters)]
+    return tuple(sorted({str(Path(file).parent) for file in files if file}))
 
 
 def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
@@ -111,6 +125,7 @@ def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
         task=args.task,
         reward=args.reward,
         save_root=args.save_root,
+        data_roots=tuple(args.data_root),
     )
     return ControllerSettings(
         defaults=defaults, limits=limits, engine_urls=tuple(args.engine_urls), router_url=args.router_url
@@ -123,8 +138,15 @@ def load_settings(args: argparse.Namespace) -> ControllerSettings:
         settings = settings_from_plan(read_plan(plan_path), plan_path.parent)
     else:
         settings = settings_from_flags(args)
-    token = args.api_token or os.environ.get(TOKEN_ENV) or None
-    return replace(settings, api_token=token, adapters_dir=args.adapters_dir)
+    return replace(settings, api_token=api_token(args), adapters_dir=args.adapters_dir)
+
+
+def api_token(args: argparse.Namespace) -> str | None:
+    """The key from the variable --api-key-env names (a plan's controller: the run's; standalone: TOKEN_ENV by
+    default). A named variable that is unset or empty is an error: the service never starts open by mistake."""
+    if args.api_key_env:
+        return secret_value(args.api_key_env)
+    return None if args.plan else os.environ.get(TOKEN_ENV) or None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -136,7 +158,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", help="a saved plan.yaml: every setting below comes from it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-token", help=f"require this bearer token (prefer the {TOKEN_ENV} variable)")
+    p.add_argument("--api-key-env", help=f"require the bearer key held by this environment variable (standalone "
+                   f"default: {TOKEN_ENV}, if set); it is also sent to the engines", metavar="NAME")
     p.add_argument("--adapters-dir", help="allow POST /adapter_runs {'yaml_path'} for files inside this folder")
     p.add_argument("--log-level", default="warning")
     standalone = p.add_argument_group("standalone (without --plan)")
@@ -147,7 +170,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     standalone.add_argument("--router-url")
     standalone.add_argument("--max-adapter-global-batch-size", type=int, default=1 << 16)
     standalone.add_argument("--dp-size", type=int, default=1)
-    standalone.add_argument("--save-root", default=".")
+    standalone.add_argument("--save-root", default=".", help="adapters save inside <save-root>/adapters")
+    standalone.add_argument("--data-root", action="append", default=[],
+                            help="a folder adapters may read data files from (repeatable; also: bundled, save root)")
     standalone.add_argument("--lora-rank", type=int, help="default rank (else the max rank)")
     standalone.add_argument("--lora-alpha", type=float, default=AdaptersConfig.alpha)
     standalone.add_argument("--lr", type=float, default=1e-3)

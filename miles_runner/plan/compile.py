@@ -162,6 +162,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         checkpoint=cfg.checkpoint,
         executor=cfg.executor,
         logger=cfg.logger,
+        security=cfg.security,
     )
 
 
@@ -224,7 +225,8 @@ def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> Rou
     if cfg.router.kind == "none":
         return None
     urls, host = [e.launch.url for e in engines], host_on(cfg, SERVICES_NODE)
-    argv = render.router_argv(host, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port)
+    argv = render.router_argv(host, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port,
+                              api_key_env=cfg.security.api_key_env)
     return RouterPlan(d.router_policy, Launch(argv, host, cfg.router.port, {}, "/health"))
 
 
@@ -256,7 +258,7 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
     if not d.multi_lora:
         return None
     a = cfg.adapters
-    argv = render.controller_argv(LOOPBACK, a.api_port)
+    argv = render.controller_argv(LOOPBACK, a.api_port, cfg.security.api_key_env)
     return MultiLoRAPlan(
         slots=d.multi_lora_slots,
         max_lora_rank=d.max_lora_rank,

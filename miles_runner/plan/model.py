@@ -23,6 +23,7 @@ from miles_runner.config.schema import (
     ModelConfig,
     OptimizerConfig,
     RolloutConfig,
+    SecurityConfig,
 )
 from miles_runner.core.adapters import AdapterSpec
 
@@ -276,6 +277,7 @@ class Plan:
     checkpoint: CheckpointConfig
     executor: ExecutorConfig
     logger: LoggerConfig
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # the run's key: its variable's name only
 
     @property
     def rollout_url(self) -> str:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived, absolute_path
 from miles_runner.plan.model import Launch
+from miles_runner.plan.secrets import secret_placeholder
 
 PYTHON = "python"  # the local executor substitutes the run's interpreter
 ENGINE_MODULES = {"sglang": "sglang.launch_server", "embedded": "miles_runner.embedded_engine"}
@@ -49,12 +50,29 @@ def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, node_rank
             argv += ["--nnodes", str(node_rank.nnodes), "--node-rank", str(node_rank.rank),
                      "--dist-init-addr", node_rank.dist_init_addr]  # fmt: skip
     else:  # the embedded engine serves as the plan's SGLang build (an SGLang engine is whichever is installed)
-        argv += ["--engine-build", e.build]
+        argv += ["--engine-build", e.build, "--max-n", str(e.max_n), "--max-batch-size", str(e.max_batch_size)]
     if d.lora_rollout_enabled:
         argv += lora_flags(cfg, d)
     if cfg.rollout.routing_replay:
         argv.append("--enable-return-routed-experts")
-    return argv + list(e.extra_args)
+    return argv + engine_key_flags(e.kind, cfg.security.api_key_env) + list(e.extra_args)
+
+
+def engine_key_flags(kind: str, api_key_env: str) -> list[str]:
+    """SGLang takes its key only as `--api-key VALUE`; the embedded engine reads it from the variable itself, so
+    its command line (visible to every local user) holds only the name."""
+    return key_flags("--api-key", api_key_env) if kind == "sglang" else key_env_flags(api_key_env)
+
+
+def key_flags(flag: str, api_key_env: str) -> list[str]:
+    """The run's key for a server that takes it only in argv (SGLang, the router): a placeholder the executor
+    fills at spawn time (plan/secrets.py), so plan.yaml holds the variable's name, never the key."""
+    return [flag, secret_placeholder(api_key_env)] if api_key_env else []
+
+
+def key_env_flags(api_key_env: str) -> list[str]:
+    """The run's key for our own servers: the variable's name; they read the key from their environment."""
+    return ["--api-key-env", api_key_env] if api_key_env else []
 
 
 def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
@@ -69,10 +87,14 @@ def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
     return flags
 
 
-def router_argv(host: str, port: int, policy: str, worker_urls: list[str], *, metrics_port: int) -> list[str]:
-    """The real sglang-router's command line; its metrics exporter binds `host` too (default is 0.0.0.0)."""
+def router_argv(
+    host: str, port: int, policy: str, worker_urls: list[str], *, metrics_port: int, api_key_env: str = ""
+) -> list[str]:
+    """The real sglang-router's command line; its metrics exporter binds `host` too (default is 0.0.0.0). With
+    the run's key, sglang-router 0.3.2 sends it to its workers and requires it on every route but /health."""
     return ["sglang-router", "launch", "--host", host, "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
+            "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+            *key_flags("--api-key", api_key_env)]  # fmt: skip
 
 
 def session_argv(
@@ -85,13 +107,14 @@ def session_argv(
     argv += ["--host", host, "--port", str(s.port), "--version", s.version]
     argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
     argv += ["--tito-model", s.tito_model, "--message-matcher", s.message_matcher]
+    argv += ["--max-sessions", str(s.max_sessions), "--max-age", str(s.max_age_s)]
     if lora_name:
         argv += ["--lora-name", lora_name]
     if cfg.rollout.routing_replay:
         argv.append("--routed-experts")
     if d.use_addition_r3:
         argv.append("--addition-r3")
-    return argv
+    return argv + key_env_flags(cfg.security.api_key_env)  # its own key and its engines' (the run's one key)
 
 
 def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
@@ -109,7 +132,7 @@ def trainer_rank_launch(run_dir: str, rank: int, slot: int, master_address: str,
     return Launch(argv, env={"LOCAL_RANK": str(slot)}, health_path="")
 
 
-def controller_argv(host: str, port: int) -> list[str]:
-    """The multi-LoRA controller service; its bearer token, if any, comes from MILES_MULTI_LORA_API_TOKEN."""
+def controller_argv(host: str, port: int, api_key_env: str = "") -> list[str]:
+    """The multi-LoRA controller service; it requires the run's key (and sends it to the engines it aborts on)."""
     return [PYTHON, "-m", "miles_runner.multi_lora.http_server", "--plan", "plan.yaml", "--host", host,
-            "--port", str(port)]
+            "--port", str(port), *key_env_flags(api_key_env)]

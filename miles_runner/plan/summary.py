@@ -27,11 +27,21 @@ def summarize(plan: Plan, plan_path: str) -> str:
         m = plan.multi_lora
         names = ", ".join(a.name for a in plan.adapters) or "none yet"
         rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port}"))
+    rows.append(("auth", auth_line(plan)))
     rows += [("sync", sync_line(plan)), ("verify", verify_line(plan)), ("batches", batch_line(plan)),
              ("derived", derived_line(plan))]
     width = max(len(k) for k, _ in rows)
     head = f"plan {plan.name} -> {plan_path}"
     return "\n".join([head, *(f" {k:<{width}}  {v}" for k, v in rows), " commands", *command_lines(plan)])
+
+
+def auth_line(plan: Plan) -> str:
+    """How the run's servers authenticate: the key's variable, never its value."""
+    if name := plan.security.api_key_env:
+        return f"bearer key from ${name} (every server of the run requires it)"
+    if plan.cluster.nodes > 1:
+        return "none: the servers listen on the nodes' addresses unauthenticated (set security.api_key_env)"
+    return "none (loopback only)"
 
 
 def cluster_line(plan: Plan) -> str:
@@ -119,6 +129,11 @@ def engines_line(plan: Plan) -> str:
     line += ", routed experts on" if "--enable-return-routed-experts" in flags else ""
     if "--max-lora-rank" in flags:
         line += f", max LoRA rank {flags[flags.index('--max-lora-rank') + 1]}"
+    if "--max-n" in flags:  # the embedded engine's request limits; SGLang has none (plan/rules/engine_limits.py)
+        n, outputs = flags[flags.index("--max-n") + 1], flags[flags.index("--max-batch-size") + 1]
+        line += f", requests of at most n {n} and {outputs} outputs"
+    else:
+        line += ", no per-request n or batch limit (SGLang has none)"
     return line
 
 

@@ -22,6 +22,7 @@ from types import TracebackType
 import httpx
 
 from miles_runner.core.errors import ComponentFailure
+from miles_runner.plan.secrets import fill_secrets
 
 LOG_TAIL_LINES = 40
 _POLL_S = 0.2
@@ -85,16 +86,18 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         if self._popen is not None:
             raise RuntimeError(f"{self.name} was already started (pid {self.pid})")
+        env = {**os.environ, **self.env}
+        argv = fill_secrets(self.argv, env)  # the run's key reaches only the child's argv, never the log line
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"# {self.name}: {shlex.join(self.argv)}\n".encode())
             log.flush()
             self._popen = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                env=env,
                 cwd=self.cwd,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,

@@ -32,12 +32,13 @@ class SessionClients:
     """One connection pool to the session server for many episodes, and the OpenAI client the agents chat
     through (each episode's client is a cheap view of it, pointed at its session)."""
 
-    def __init__(self, session_url: str) -> None:
+    def __init__(self, session_url: str, *, api_key: str | None = None) -> None:
         import openai
 
         self.url = session_url
-        self.http = http_client(session_url, timeout_s=600)
-        self.openai = openai.AsyncOpenAI(base_url=session_url, api_key="local", http_client=self.http)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # the run's key, on every call
+        self.http = http_client(session_url, timeout_s=600, headers=headers)
+        self.openai = openai.AsyncOpenAI(base_url=session_url, api_key=api_key or "local", http_client=self.http)
 
     def agent_client(self, session_id: str) -> Any:
         return self.openai.with_options(base_url=f"{self.url}/sessions/{session_id}/v1")
@@ -58,7 +59,7 @@ async def rollout_agentic(
     """Every prompt's group of episodes, all at once. `clients`: the run's open SessionClients, so each rollout
     reuses the connections of the previous one (without: a pool of this rollout's own, closed at its end)."""
     if clients is None:
-        async with SessionClients(str(ctx.session_url)) as own:
+        async with SessionClients(str(ctx.session_url), api_key=ctx.api_key) as own:
             return await rollout_agentic(ctx, prompts, own)
     n = ctx.plan.batch.n_samples_per_prompt
     return list(await asyncio.gather(*(play_episode(ctx, clients, p) for p in prompts for _ in range(n))))

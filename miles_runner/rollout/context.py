@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,12 @@ class RolloutContext:
     lora_name: str | None  # the adapter every request is generated with (None: the base model)
     # Routing replay (R3): the decoder layers of the model's routing rows; None when no routing is asked for.
     routed_experts_layers: int | None = None
+    api_key: str | None = field(default=None, repr=False)  # the run's key: the session server requires it
 
     @classmethod
-    def from_plan(cls, plan: Plan, workers: WorkerPool, session_url: str | None) -> RolloutContext:
+    def from_plan(
+        cls, plan: Plan, workers: WorkerPool, session_url: str | None, *, api_key: str | None = None
+    ) -> RolloutContext:
         rollout = plan.rollout
         agentic = plan.session is not None
         lora = plan.adapters[0].lora_name if plan.capabilities.lora_rollout_enabled and plan.adapters else None
@@ -45,6 +48,7 @@ class RolloutContext:
             session_url=session_url,
             lora_name=lora,
             routed_experts_layers=read_num_layers(Path(plan.model_path)) if rollout.routing_replay else None,
+            api_key=api_key,
         )
 
     def sampling_params(self) -> dict[str, Any]:
@@ -53,8 +57,8 @@ class RolloutContext:
                 "top_k": r.top_k}
 
 
-def rollout_workers(plan: Plan, engine_urls: Sequence[str]) -> WorkerPool:
+def rollout_workers(plan: Plan, engine_urls: Sequence[str], *, api_key: str | None = None) -> WorkerPool:
     """The workers a run's rollouts go to: the router's healthy workers when the plan has a router (so a restarted,
     re-registered engine is seen), else the deployment's engines; never the router itself, which drops R3."""
     router = plan.router.launch.url if plan.router else None
-    return WorkerPool.for_deployment(router, engine_urls)
+    return WorkerPool.for_deployment(router, engine_urls, api_key=api_key)

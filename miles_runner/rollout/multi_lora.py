@@ -145,7 +145,7 @@ class MultiLoRARollout:
 
     def _session_clients(self) -> SessionClients:
         if self._sessions is None:
-            self._sessions = SessionClients(str(self.ctx.session_url))
+            self._sessions = SessionClients(str(self.ctx.session_url), api_key=self.ctx.api_key)
         return self._sessions
 
     def _agent(self, run: AdapterRun) -> AgentFn | None:

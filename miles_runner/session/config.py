@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,11 @@ class SessionServerConfig:
     max_trim_tokens: int = 0
     upstream_timeout_s: float = 600.0
     upstream_api_key: str | None = None
+    # The run's key: every route but GET /health requires `Authorization: Bearer <api_key>` (None: open).
+    api_key: str | None = None
+    # Limits (plan: session.max_sessions, session.max_age_s): more open sessions is a 429; an older one is gone.
+    max_sessions: int = 1024
+    max_age_s: float = 3600.0
     host: str = "127.0.0.1"
     port: int = 0
     instance_id: str | None = None
@@ -56,6 +62,10 @@ class SessionServerConfig:
             raise ValueError("use_addition_r3 needs return_routed_experts (incremental R3 without R3)")
         if self.max_trim_tokens < 0:
             raise ValueError(f"max_trim_tokens must be >= 0, got {self.max_trim_tokens}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not 0 < self.max_age_s < math.inf:
+            raise ValueError(f"max_age_s must be a positive number of seconds, got {self.max_age_s}")
 
     def resolved_num_layers(self) -> int:
         if self.num_layers is not None:

@@ -1,22 +1,35 @@
 """The session server's logic, free of HTTP: sessions, one turn in three phases, metadata and samples.
 
 A turn is: (1) under the session lock, plan it (rollback, TITO ids, R3 offset); (2) without the lock, call
-the engine; (3) under the lock again, commit it unless the session closed or (v1) another turn won.
+the engine; (3) under the lock again, commit it unless the session closed. A v1 session takes one turn at a
+time (a second one while a turn is in flight is a 409: it could only replace the other); v2 turns run
+concurrently and all become nodes of the tree.
+
+Limits: at most `max_sessions` open sessions (429 beyond); a session older than `max_age_s` is gone (404),
+its in-flight turns aborted and its worker pin released. DELETE, expiry and shutdown abort a session's
+in-flight turns on its engine by their rids (request.py gives every turn one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from miles_runner.engine.chat_as_generate import chat_completion, generate_body
-from miles_runner.engine.client import EngineUnavailable
+from miles_runner.engine.client import EngineError, EngineUnavailable
 from miles_runner.session.codec import encode_samples
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
-from miles_runner.session.errors import SessionNotFoundError, UpstreamResponseError
+from miles_runner.session.errors import (
+    SessionNotFoundError,
+    ShuttingDownError,
+    TooManySessionsError,
+    TurnInProgressError,
+    UpstreamResponseError,
+)
 from miles_runner.session.linear import LinearTrajectory, LinearTurnPlan
 from miles_runner.session.messages import normalize_messages, resolve_matcher
 from miles_runner.session.r3 import addition_r3_start_len
@@ -29,6 +42,8 @@ from miles_runner.session.tree_samples import build_leaf_samples, drop_retries, 
 from miles_runner.session.upstream import SessionUpstream
 
 CHAT_PATH = "/v1/chat/completions"
+ABORT_WINDOW_S, ABORT_RETRY_S = 3.0, 0.2
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +52,9 @@ class Session:
     state: LinearTrajectory | TreeTrajectory
     adapter: AdapterSlot | None = None
     closing: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+    # The rids of the turns being generated (v1: at most one): what DELETE, expiry and shutdown abort.
+    in_flight: set[str] = field(default_factory=set)
     # Guards the state; never held across the engine call, so a slow turn does not block GET or DELETE.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -45,7 +63,6 @@ class Session:
 class ChatResult:
     response: dict[str, Any]
     stream: bool
-    committed: bool
 
 
 class SessionCore:
@@ -64,28 +81,74 @@ class SessionCore:
         self.sampling_defaults = sampling_defaults or {}  # the model's generation_config values chat falls back to
         self.sessions: dict[str, Session] = {}
         self.matcher = resolve_matcher(config.message_matcher)
+        self.stopping = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
-    def create(self, adapter: AdapterSlot | None = None) -> Session:
+    async def create(self, adapter: AdapterSlot | None = None) -> Session:
+        if self.stopping:
+            raise ShuttingDownError("the session server is shutting down")
+        await self.expire_old_sessions()
+        if len(self.sessions) >= self.config.max_sessions:
+            raise TooManySessionsError(
+                f"the session server already holds {len(self.sessions)} open sessions "
+                f"(session.max_sessions={self.config.max_sessions}); delete finished sessions or raise "
+                "session.max_sessions"
+            )
         trajectory = TreeTrajectory if self.config.version == "v2" else LinearTrajectory
-        state = trajectory(matcher=self.matcher)
-        session = Session(uuid.uuid4().hex, state, adapter)
+        session = Session(uuid.uuid4().hex, trajectory(matcher=self.matcher), adapter)
         self.sessions[session.session_id] = session
         return session
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
-        if session is None or session.closing:
+        if session is None or session.closing or self._expired(session):
             raise SessionNotFoundError(f"session {session_id} not found")
         return session
 
     async def delete(self, session_id: str) -> None:
-        session = self.get(session_id)
+        await self._close(self.get(session_id))
+
+    async def expire_old_sessions(self) -> None:
+        """Close every session older than max_age_s (their GETs already answer 404): frees what they hold."""
+        for session in [s for s in self.sessions.values() if self._expired(s) and not s.closing]:
+            log.info("session %s expired after session.max_age_s=%g s", session.session_id, self.config.max_age_s)
+            await self._close(session)
+
+    async def shutdown(self) -> None:
+        """Refuse new sessions and turns, and abort every in-flight turn so its request ends now."""
+        self.stopping = True
+        await asyncio.gather(*(self._abort_turns(s) for s in list(self.sessions.values())))
+
+    def _expired(self, session: Session) -> bool:
+        return time.monotonic() - session.created_at > self.config.max_age_s
+
+    async def _close(self, session: Session) -> None:
         session.closing = True
+        await self._abort_turns(session)
         async with session.lock:  # a phase in progress finishes first
-            self.sessions.pop(session_id, None)
-            self.upstream.release(session_id)
+            self.sessions.pop(session.session_id, None)
+            self.upstream.release(session.session_id)
+
+    async def _abort_turns(self, session: Session) -> None:
+        """abort_request on the session's engine for each in-flight turn: the engine ends it (finish_reason
+        abort) and the turn answers 404/503 instead of waiting for its generation to finish. Repeated while a
+        turn is still in flight (an abort that reaches the engine before the turn does is a no-op), for at most
+        ABORT_WINDOW_S: a hung engine cannot hold DELETE or shutdown; its turn then ends by its own timeout."""
+        try:
+            async with asyncio.timeout(ABORT_WINDOW_S):
+                while session.in_flight:
+                    for rid in list(session.in_flight):
+                        await self._abort_turn(session.session_id, rid)
+                    await asyncio.sleep(ABORT_RETRY_S)
+        except TimeoutError:
+            log.warning("session %s: turns %s still in flight after abort", session.session_id, session.in_flight)
+
+    async def _abort_turn(self, session_id: str, rid: str) -> None:
+        try:
+            await (await self.upstream.worker(session_id)).abort_request(rid)
+        except (EngineError, EngineUnavailable) as error:
+            log.warning("could not abort turn %s of session %s: %s", rid, session_id, error)
 
     # ---- one turn ------------------------------------------------------------------------------------
 
@@ -93,18 +156,33 @@ class SessionCore:
         """Raises SessionError, or EngineError for a non-2xx engine reply (passed through unrecorded)."""
         session = self.get(session_id)
         async with session.lock:
-            if session.closing:
-                raise SessionNotFoundError(f"session {session_id} not found")
+            self._check_open(session)
+            if session.in_flight and isinstance(session.state, LinearTrajectory):
+                raise TurnInProgressError(
+                    f"session {session_id} already has a turn in flight; a v1 session is one conversation and "
+                    "takes one turn at a time (wait for the reply, or use session.version=v2 for branches)"
+                )
             request, stream, plan = self._plan_turn(session, body)
-        requested_at = time.time()
-        response = await self._generate(session_id, request)
-        completion_ids, assistant = extract_completion(response)
-        record = SessionRecord(time.time(), requested_at, "POST", CHAT_PATH, request, response, 200)
-        async with session.lock:
-            committed = not session.closing and session.state.commit(
-                plan, completion_ids, assistant, record, self.config.max_trim_tokens
-            )
-        return ChatResult(response, stream, committed)
+            session.in_flight.add(request["rid"])
+        try:
+            requested_at = time.time()
+            response = await self._generate(session_id, request)
+            completion_ids, assistant = extract_completion(response)
+            record = SessionRecord(time.time(), requested_at, "POST", CHAT_PATH, request, response, 200)
+            async with session.lock:
+                self._check_open(session)  # closed meanwhile: the turn was aborted and is not recorded
+                committed = session.state.commit(plan, completion_ids, assistant, record, self.config.max_trim_tokens)
+        finally:
+            session.in_flight.discard(request["rid"])
+        if not committed:  # cannot happen while v1 turns are exclusive; never answer 200 for a lost turn
+            raise TurnInProgressError(f"session {session_id} changed during the turn; it was not recorded")
+        return ChatResult(response, stream)
+
+    def _check_open(self, session: Session) -> None:
+        if self.stopping:
+            raise ShuttingDownError("the session server is shutting down; the turn was aborted")
+        if session.closing or self._expired(session):
+            raise SessionNotFoundError(f"session {session.session_id} not found")
 
     async def _generate(self, session_id: str, chat: dict[str, Any]) -> dict[str, Any]:
         """The turn's chat reply (recorded with `chat` as the turn's request)."""

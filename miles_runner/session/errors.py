@@ -43,3 +43,22 @@ class UpstreamResponseError(SessionError):
     """The engine is unreachable, or answered 200 without what a training record needs."""
 
     status_code = 502
+
+
+class TurnInProgressError(SessionError):
+    """v1: a turn arrived while the session's previous turn is still being generated (one conversation, one
+    turn at a time; a concurrent turn could only replace the other, so it is refused rather than lost)."""
+
+    status_code = 409
+
+
+class TooManySessionsError(SessionError):
+    """The server already holds session.max_sessions open sessions."""
+
+    status_code = 429
+
+
+class ShuttingDownError(SessionError):
+    """The server is stopping: new turns are refused and in-flight ones aborted."""
+
+    status_code = 503

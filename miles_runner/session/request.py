@@ -4,6 +4,7 @@ SGLang's /generate: engine/chat_as_generate.py), and what the agent gets back.""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,12 +15,18 @@ from miles_runner.session.errors import MessageValidationError, UpstreamResponse
 from miles_runner.session.messages import Message, normalize_message
 
 REPLAY_KEYS = ("routed_experts", "indexer_topk")
+# The chat fields this server reads itself (the engine checks the ones it only passes on).
+READ_FIELD_TYPES: dict[str, type] = {"model": str, "stream": bool, "stream_options": dict}
+READ_FIELD_NAMES = {str: "a string", bool: "true or false", dict: "an object"}
 
 
 def prepare_chat_request(
     body: dict[str, Any], config: SessionServerConfig, adapter: AdapterSlot | None
 ) -> tuple[dict[str, Any], bool]:
     """The upstream body (without input_ids yet) and whether the agent asked for a stream."""
+    for name, kind in READ_FIELD_TYPES.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise MessageValidationError(f"{name} must be {READ_FIELD_NAMES[kind]}, got {type(body[name]).__name__}")
     upstream = dict(body)
     stream = bool(upstream.pop("stream", False))
     upstream.pop("stream_options", None)
@@ -41,6 +48,10 @@ def prepare_chat_request(
     if config.return_routed_experts:
         upstream["return_routed_experts"] = True
     upstream.update(_adapter_fields(config, adapter, upstream.get("model")))
+    # The server owns the turn's rid (DELETE and shutdown abort the turn by it; an agent's own rid could
+    # collide with another session's): an adapter slot's "{name}::uuid", else a fresh uuid.
+    if adapter is None:
+        upstream["rid"] = uuid.uuid4().hex
     return upstream, stream
 
 

@@ -4,15 +4,30 @@
 
 Inside a run the executor starts this same command from the plan; the flags map one to one onto
 `SessionServerConfig`. Repeat --engine-url to spread the sessions over several engines.
+
+The run's key: `--api-key-env NAME` reads it from the environment variable NAME (never from argv, which local
+users can read in /proc); agents must then send `Authorization: Bearer <key>` (GET /health stays open) and the
+server sends it to the engines too. `--api-key` is the engine's key alone (upstream), kept for callers that
+key only the engine.
+
+SIGTERM: new turns are refused (503), in-flight turns are aborted on their engines so their requests end at
+once, and uvicorn waits at most SHUTDOWN_GRACE_S for open requests (a hung engine cannot hold the server for
+the 600 s upstream timeout).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import socket
+
+import uvicorn
+from fastapi import FastAPI
 
 from miles_runner.core.tito_families import TITO_FAMILIES
-from miles_runner.session.app import create_app
+from miles_runner.session.app import create_app, stop_turns
 from miles_runner.session.config import SessionServerConfig
 from miles_runner.session.messages import MATCHERS
 
@@ -45,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tito-model", choices=sorted(TITO_FAMILIES), default="default", help="TITO family (tito.py)")
     p.add_argument("--message-matcher", choices=sorted(MATCHERS), default="strict", help="replay matching")
     p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds per engine call")
-    p.add_argument("--api-key", help="bearer token the engine expects")
+    p.add_argument("--api-key", help="bearer token the engine expects (upstream only; see --api-key-env)")
+    p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the run's key: required from agents and sent to the engines",
+    )
+    p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (429 beyond)")
+    p.add_argument("--max-age", type=float, default=3600.0, help="seconds a session lives (404 after)")
     p.add_argument("--instance-id", help="reported by GET /health")
     p.add_argument("--num-layers", type=int, help="R3 layers (default: num_hidden_layers of config.json)")
     p.add_argument("--log-level", default="warning")
@@ -53,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
+    run_key = read_key(args.api_key_env) if args.api_key_env else None
     return SessionServerConfig(
         engine_url=args.router_url or args.engine_url[0],
         behind_router=args.router_url is not None,
@@ -66,7 +89,10 @@ def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
         tito_model=args.tito_model,
         message_matcher=args.message_matcher,
         upstream_timeout_s=args.upstream_timeout,
-        upstream_api_key=args.api_key,
+        upstream_api_key=args.api_key or run_key,
+        api_key=run_key,
+        max_sessions=args.max_sessions,
+        max_age_s=args.max_age,
         host=args.host,
         port=args.port,
         instance_id=args.instance_id,
@@ -74,9 +100,32 @@ def config_from_args(args: argparse.Namespace) -> SessionServerConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+def read_key(env_name: str) -> str:
+    key = os.environ.get(env_name, "")
+    if not key:
+        raise SystemExit(f"--api-key-env names {env_name}, which is unset or empty; export the run's key in it")
+    return key
 
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class SessionServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM, aborts the in-flight turns before it waits (bounded) for open requests."""
+
+    def __init__(self, app: FastAPI, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await asyncio.wait_for(stop_turns(self.app), SHUTDOWN_GRACE_S)
+        except TimeoutError:
+            logging.getLogger(__name__).warning("aborting the in-flight turns took over %g s", SHUTDOWN_GRACE_S)
+        await super().shutdown(sockets)
+
+
+def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     if config.tito_model == "default":  # spec §1.2 rule 4: a warning, not an error
@@ -84,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
             "tito_model default: the model's own chat template with a best-effort append rule; a template that "
             "renders earlier turns differently once a message is appended makes input_ids diverge from it"
         )
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=args.log_level)
+    app = create_app(config)
+    settings = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
+    SessionServer(app, settings).run()
 
 
 if __name__ == "__main__":

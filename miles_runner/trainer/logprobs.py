@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from miles_runner.core.sglang_protocol import logprob_temperature
 from miles_runner.models.moe_routing import RoutingLayout
 from miles_runner.trainer.routing_replay import ReplayStats, replaying, routed_rows
 
@@ -85,7 +86,7 @@ def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0, with_
     with replaying(model, batch.routed_experts, replay_stats):
         output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     logits = output.logits[:, :-1].float()
-    log_softmax = (logits / temperature).log_softmax(dim=-1)
+    log_softmax = (logits / logprob_temperature(temperature)).log_softmax(dim=-1)  # temperature 0: greedy, as 1.0
     targets = batch.input_ids[:, 1:].unsqueeze(-1).to(logits.device)
     log_probs = log_softmax.gather(-1, targets).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1) if with_entropy else None

@@ -196,6 +196,16 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "engine.extra_args": (Refused("embedded-engine-takes-no-sglang-gpu-settings", "[--foo]"), Runs(GPU_ENGINE)),
     "engine.embedded_max_params_b": (Refused("embedded-engine-model-too-large", "0.00001"),),
     "engine.startup_timeout_s": (Runs(("tests/executors/test_plan_engines.py::test_an_engine_not_healthy_within_engine_startup_timeout_s_fails_the_start_naming_it",)),),
+    "engine.max_n": (
+        Runs(("tests/embedded_engine/test_limits.py::test_the_plans_engine_limits_reach_the_engine",)),
+        Refused("rollout-within-engine-limits", "2", ("rollout.n_samples_per_prompt=4",)),
+        Refused("sglang-engine-has-no-request-limits", "8", GPU),
+    ),
+    "engine.max_batch_size": (
+        Runs(("tests/embedded_engine/test_limits.py::test_the_plans_engine_limits_reach_the_engine",)),
+        Refused("rollout-within-engine-limits", "2", ("rollout.n_samples_per_prompt=4",)),
+        Refused("sglang-engine-has-no-request-limits", "8", GPU),
+    ),
     # ---- router ----
     "router.kind": (Runs(("tests/executors/test_local_executor.py::test_engines_and_router_start_healthy_and_all_stop",)),),
     "router.policy": (Runs(("tests/engine/test_router.py::test_routing_key_keeps_each_session_on_one_engine",)),),
@@ -217,6 +227,17 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     "session.max_trim_tokens": (Runs(("tests/session/test_linear.py::test_trailing_differences_within_max_trim_tokens_are_allowed",)),),
     "session.upstream_timeout_s": (Runs(("tests/session/test_server_faults.py::test_an_engine_that_times_out_gives_502_and_the_session_stays_usable",)),),
+    "session.max_sessions": (
+        Runs(("tests/session/test_standalone_server.py::test_the_plans_session_limits_and_key_reach_the_server",
+              "tests/session/test_session_limits.py::test_more_sessions_than_the_cap_is_429_naming_the_setting")),
+        Refused("session-limits-fit-rollout", "0"),
+        Refused("session-limits-fit-rollout", "2", TINY),
+    ),
+    "session.max_age_s": (
+        Runs(("tests/session/test_standalone_server.py::test_the_plans_session_limits_and_key_reach_the_server",
+              "tests/session/test_session_limits.py::test_an_expired_session_is_gone_and_its_resources_freed")),
+        Refused("session-limits-fit-rollout", "0"),
+    ),
     # ---- rollout ----
     "rollout.task": (Runs(("tests/multi_lora/test_rollout_data.py::test_adapters_on_the_jsonl_task_read_their_own_data_files",)),),
     "rollout.reward": (Runs((f"{DRIVER}::test_run_logs_one_metrics_record_per_step_with_weight_versions",)),),
@@ -313,7 +334,8 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "executor.kind": (Runs(("tests/executors/test_ray_executor.py::test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_process",)),),
     "executor.ray_address": (Runs(("tests/executors/test_ray_address.py::test_the_ray_executor_runs_the_plan_on_the_cluster_at_ray_address_and_leaves_it_up",)),),
     "executor.health_timeout_s": (Runs(("tests/executors/test_plan_engines.py::test_a_service_not_healthy_within_executor_health_timeout_s_fails_naming_it",)),),
-    "executor.engine_restarts": (Runs(("tests/executors/test_engine_restart.py::test_a_dead_engine_comes_back_on_its_port_behind_the_router_until_the_budget_is_spent",)),),
+    "executor.engine_restarts": (Runs(("tests/executors/test_engine_restart.py::test_a_dead_engine_comes_back_on_its_port_behind_the_router_until_the_budget_is_spent",
+                                       "tests/reliability/test_engine_killed_mid_rollout.py::test_with_a_restart_the_run_finishes_with_every_step_trained_once")),),
     # ---- logger ----
     "logger.wandb_mode": (Runs(("tests/tracking/test_wandb_run.py::test_an_offline_run_records_the_plans_project_name_and_tags", "tests/tracking/test_wandb_run.py::test_disabled_wandb_writes_no_wandb_folder")),),
     "logger.project": (Runs(("tests/tracking/test_wandb_run.py::test_an_offline_run_records_the_plans_project_name_and_tags",)),),
@@ -325,6 +347,11 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     "logger.plots": (Runs((f"{DRIVER}::test_run_leaves_plot_checkpoints_and_offline_wandb",)),),
     "logger.progress": (Runs(("tests/tracking/test_tracking.py::test_progress_on_a_terminal_draws_a_live_bar_and_keeps_step_lines",)),),
+    # ---- security: the run's key, by the name of the variable that holds it ----
+    "security.api_key_env": (
+        Runs(("tests/executors/test_run_key.py::test_every_server_of_a_keyed_run_refuses_a_request_without_its_key", "tests/executors/test_run_key.py::test_a_keyed_run_with_a_session_server_trains_end_to_end_and_writes_no_key")),
+        Refused("api-key-env-is-a-variable-name", "my-key"),
+    ),
     # ---- one multi-LoRA adapter (adapters.runs[i]); unset values take the adapters.* and rollout.* defaults ----
     "adapters.runs[].name": (Runs((f"{MULTI_CONFIG}::test_a_plan_adapter_registers_with_its_own_values",)),),
     "adapters.runs[].task": (Runs((f"{MULTI_CONFIG}::test_a_plan_adapter_registers_with_its_own_values",)),),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -109,3 +110,120 @@ async def test_invalid_admin_body_is_400(client, path, body):
 async def test_unknown_model_card_is_404_model_not_found(client):
     response = await client.get("/v1/models/nope")
     assert response.status_code == 404 and response.json()["code"] == "model_not_found"
+
+
+# ----- issue 15: inputs that used to be 500s (and closed the keep-alive connection) -------------------------------
+TWO = [IDS, IDS]
+ISSUE15_CASES = {
+    "sampling_params_list_for_one_prompt": (
+        {"input_ids": IDS, "sampling_params": [{"max_new_tokens": 2}]},
+        "sampling_params",
+    ),
+    "return_logprob_list_for_one_prompt": ({"input_ids": IDS, "return_logprob": [True]}, "return_logprob"),
+    "sampling_params_shorter_than_batch": ({"input_ids": TWO, "sampling_params": [{}]}, "sampling_params"),
+    "return_logprob_shorter_than_batch": ({"input_ids": TWO, "return_logprob": [True]}, "return_logprob"),
+    "logprob_start_len_shorter_than_batch": ({"input_ids": TWO, "logprob_start_len": [0]}, "logprob_start_len"),
+    "top_logprobs_num_shorter_than_batch": ({"input_ids": TWO, "top_logprobs_num": [1]}, "top_logprobs_num"),
+    "token_ids_logprob_shorter_than_batch": (
+        {"input_ids": TWO, "return_logprob": True, "token_ids_logprob": [[1]]},
+        "token_ids_logprob",
+    ),
+    "n_above_max_n": ({"input_ids": IDS, "sampling_params": {"n": 257, "max_new_tokens": 1}}, "engine.max_n"),
+    "batch_above_max_batch_size": (
+        {"input_ids": [IDS] * 17, "sampling_params": {"n": 256, "max_new_tokens": 1}},
+        "engine.max_batch_size",
+    ),
+    "too_many_stop_strings": ({"input_ids": IDS, "sampling_params": {"stop": ["x"] * 33}}, "stop strings"),
+    "seed_out_of_range": ({"input_ids": IDS, "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed"),
+}
+
+
+def _kept_alive(response) -> bool:
+    return response.headers.get("connection", "").lower() != "close"
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("case", ISSUE15_CASES, ids=list(ISSUE15_CASES))
+async def test_inputs_that_were_500s_are_400s_naming_the_field(client, case):
+    body, expected = ISSUE15_CASES[case]
+    response = await client.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    assert expected in response.json()["error"]["message"] and _kept_alive(response)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({**CHAT, "n": 257}, "engine.max_n"),
+        ({**CHAT, "temperature": float("inf")}, "temperature"),
+        ({**CHAT, "top_logprobs": -1, "logprobs": True}, "top_logprobs must"),
+    ],
+    ids=["n_above_max_n", "infinite_temperature", "negative_top_logprobs"],
+)
+async def test_chat_inputs_that_were_500s_are_400s(client, body, expected):
+    response = await client.post(
+        "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert expected in response.json()["message"] and _kept_alive(response)
+
+
+@pytest.mark.reliability
+async def test_chat_at_temperature_zero_is_greedy(client):
+    """rollout.temperature=0 in an agentic run: SGLang samples greedily; so does the engine (same text twice)."""
+    body = {**CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True, "return_meta_info": True}
+    first, second = [await client.post("/v1/chat/completions", json=body) for _ in range(2)]
+    assert first.status_code == second.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
+
+
+@pytest.fixture(scope="module")
+def bad_adapter_dirs(adapter_dirs, tmp_path_factory) -> dict[str, str]:
+    """Adapter folders whose adapter_config.json is broken in the ways a hand-edited or truncated file is."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("bad_adapters")
+    configs = {
+        "not_json": "{r: 4",
+        "not_an_object": "[1, 2]",
+        "rank_not_an_int": '{"r": "four", "target_modules": ["q_proj"]}',
+        "rank_null": '{"r": null, "target_modules": ["q_proj"]}',
+        "targets_not_strings": '{"r": 4, "target_modules": [1, 2]}',
+        "peft_refuses_it": '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "NOT_A_PEFT_TYPE"}',
+    }
+    folders = {}
+    for name, text in configs.items():
+        folder = root / name
+        shutil.copytree(adapter_dirs["attn_b"], folder)
+        (folder / "adapter_config.json").write_text(text)
+        folders[name] = str(folder)
+    return folders
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize(
+    "case", ["not_json", "not_an_object", "rank_not_an_int", "rank_null", "targets_not_strings", "peft_refuses_it"]
+)
+async def test_an_invalid_adapter_config_is_a_400(client, bad_adapter_dirs, case):
+    response = await client.post(
+        "/load_lora_adapter", json={"lora_name": f"bad_{case}", "lora_path": bad_adapter_dirs[case]}
+    )
+    assert response.status_code == 400, response.text
+    assert not response.json()["success"] and "adapter" in response.json()["error_message"] and _kept_alive(response)
+    assert f"bad_{case}" not in response.json()["loaded_adapters"]
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("name", ["a.b", "..", "", " padded", "base:adapter", "tab\there"])
+async def test_an_invalid_adapter_name_is_a_400_naming_lora_name(client, adapter_dirs, name):
+    from_path = await client.post(
+        "/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dirs["attn_b"])}
+    )
+    from_tensors = await client.post(
+        "/load_lora_adapter_from_tensors",
+        json={"lora_name": name, "config_dict": {"r": 2}, "serialized_named_tensors": ["e30="]},
+    )
+    for response in (from_path, from_tensors):
+        assert response.status_code == 400, response.text
+        assert "lora_name" in response.json()["error_message"] and _kept_alive(response)

@@ -150,6 +150,7 @@ def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent
             assert all(parent_pid(pid) == agent_pids[k] for pid in pids.values()), (k, pids, agent_pids)
         # The addresses are the nodes' own (all 127.0.0.1 here), filled into the router's and session's flags.
         assert deployment.engine_urls == [f"http://127.0.0.1:{e.launch.port}" for e in plan.engines]
+        assert deployment.trainer_address == agents[0].address  # where node 1's engine reaches the trainer
         assert sorted(asyncio.run(list_workers(deployment.rollout_url))) == deployment.engine_urls
         assert httpx.get(deployment.session_url + "/health", timeout=10, trust_env=False).status_code == 200
         # A trainer rank placed on node 1 is started by node 1's agent.

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
@@ -32,6 +33,17 @@ def miles_run(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora
                           capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
     assert (f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in done.stderr) == fault  # a fault run says so
     return done
+
+
+def recorded_run(root: Path, base: Sequence[str], *overrides: str) -> Path:
+    """The folder of a run recorded under `root` (`miles-run --plan`: plan.yaml, nothing started) from the
+    overrides `base` + `overrides`, on a free engine port; a test then runs it in-process."""
+    from miles_runner.cli.main import single_run
+
+    args = [*base, f"engine.base_port={free_port()}", f"run.output_root={root}", *overrides]
+    assert single_run(args, plan_only=True, argv=args) == 0
+    [plan] = root.rglob("plan.yaml")
+    return plan.parent
 
 
 def records(root: Path) -> list[dict]:

@@ -9,7 +9,6 @@ bookkeeping) at each step and before they stop.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from miles_runner.engine.client import EngineClient
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
-from miles_runner.procs.ports import free_port
+
+from .recipe_runs import recorded_run, records
 
 pytestmark = pytest.mark.slow
 
@@ -93,18 +93,6 @@ def saved_adapter_logprobs(run_dir: Path, ids: list[int]) -> list[float]:
     return logits.log_softmax(-1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def recorded_run(root: Path, *overrides: str) -> Path:
-    from miles_runner.cli.main import single_run
-
-    args = [*BASE, f"engine.base_port={free_port()}", f"run.output_root={root}", *overrides]
-    assert single_run(args, plan_only=True, argv=args) == 0
-    [plan] = root.rglob("plan.yaml")
-    return plan.parent
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 def column(rows: list[dict[str, Any]], key: str) -> list[Any]:
     return [row.get(key) for row in rows]
@@ -113,7 +101,7 @@ def column(rows: list[dict[str, Any]], key: str) -> list[Any]:
 @pytest.fixture(scope="module")
 def every_third_step(tmp_path_factory) -> tuple[ObservedLoop, Path]:
     """Five steps pushing every 3: pushes after steps 2 and 4 (the last), none after 0, 1, 3."""
-    run_dir = recorded_run(tmp_path_factory.mktemp("interval3"), "algorithm.num_steps=5",
+    run_dir = recorded_run(tmp_path_factory.mktemp("interval3"), BASE, "algorithm.num_steps=5",
                            "weight_sync.update_weights_interval=3", "rollout.max_weight_staleness=2")  # fmt: skip
     loop = ObservedLoop(read_plan(run_dir / "plan.yaml"), run_dir)
     loop.run()
@@ -151,7 +139,7 @@ def test_the_final_adapter_is_the_one_the_engines_serve(every_third_step):
 
 
 def test_a_resumed_run_keeps_the_schedule_and_pushes_the_checkpoint_adapter_first(tmp_path):
-    run_dir = recorded_run(tmp_path, "algorithm.num_steps=5", "weight_sync.update_weights_interval=2",
+    run_dir = recorded_run(tmp_path, BASE, "algorithm.num_steps=5", "weight_sync.update_weights_interval=2",
                            "rollout.max_weight_staleness=1")  # fmt: skip
     plan = read_plan(run_dir / "plan.yaml")
     first = ObservedLoop(plan, run_dir, crash_after=3)

@@ -51,6 +51,11 @@ async def _equals_from_disk(client: EngineClient, adapter) -> bool:
 def test_the_disaggregated_plan_makes_a_broadcast_sync(disaggregated_plan):
     sync = make_sync(disaggregated_plan, [EngineClient("http://127.0.0.1:1")], LORA)
     assert type(sync) is BroadcastSync and sync.backend == "gloo"
+    assert sync.master_address == "127.0.0.1", "one node: the store listens on loopback"
+    # Engines on other nodes reach the trainer at node 0's own address (Deployment.trainer_address), where the
+    # store then listens: loopback would be unreachable from them.
+    across = make_sync(disaggregated_plan, [EngineClient("http://10.0.0.2:1")], LORA, trainer_address="10.0.0.1")
+    assert across.master_address == "10.0.0.1"
 
 
 async def test_pushed_adapter_generates_like_the_same_adapter_from_disk(client, sync, adapters):

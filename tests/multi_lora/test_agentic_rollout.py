@@ -235,7 +235,8 @@ async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(se
     samples = await rollout_agentic(ctx, [ctx.task.prompt(0)])
     assert [s.metadata["turns"] for s in samples] == [2, 2]
     assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them
-    assert not any("rid" in body for body in session_server.upstream)
+    # No adapter slot's "name::uuid" rid (each turn has the session server's own plain rid, for aborts).
+    assert not any("::" in body.get("rid", "") for body in session_server.upstream)
 
 
 async def test_rollouts_given_the_runs_session_clients_leave_them_open_for_the_next(

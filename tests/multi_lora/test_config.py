@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -87,7 +88,43 @@ def test_bad_numbers_are_rejected(key, value):
 
 
 def test_missing_data_is_rejected():
-    assert "does not exist" in rejection(data="/no/such/data.jsonl")
+    assert "'/no/such/data.jsonl' is not a readable file" in rejection(data="/no/such/data.jsonl")
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("key,value", [("lr", math.nan), ("alpha", math.inf), ("lr", -math.inf), ("alpha", math.nan)])
+def test_nan_and_infinite_numbers_are_rejected_naming_the_field(key, value):
+    assert f"{key} must be a finite number > 0, got {value!r}" in rejection(**{key: value})
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("save", ["/etc/miles", "../../elsewhere", "..", ".", "/runs/r1", "/runs/r1/adapters", "a\0b"])
+def test_a_save_folder_outside_the_runs_adapters_folder_is_rejected(save):
+    assert "save must name a folder inside /runs/r1/adapters" in rejection(save=save)
+
+
+def test_a_relative_save_folder_is_taken_from_the_runs_adapters_folder():
+    assert resolve(save="tenant-2").save == "/runs/r1/adapters/tenant-2"
+    assert resolve(save="/runs/r1/adapters/x/../y").save == "/runs/r1/adapters/y"
+
+
+@pytest.mark.reliability
+def test_data_outside_the_data_folders_gets_the_answer_of_a_missing_file(tmp_path):
+    """The answer must not tell an API caller whether a path exists on the controller's host."""
+    outside = tmp_path / "prompts.jsonl"
+    outside.write_text('{"prompt": "1", "label": "1"}\n')
+    answers = [rejection(data=str(path)) for path in (outside, tmp_path / "missing.jsonl", "/etc")]
+    assert len({answer.replace(str(path), "PATH") for answer, path in
+                zip(answers, (outside, tmp_path / "missing.jsonl", "/etc"), strict=True)}) == 1
+    assert "is not a readable file under the controller's data folders" in answers[0]
+
+
+def test_data_inside_a_data_root_or_bundled_is_accepted(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1", "label": "1"}\n')
+    rooted = replace(defaults("/runs/r1"), data_roots=(str(tmp_path),))
+    assert resolve_adapter_config("a", {"data": str(prompts)}, rooted, LIMITS).data == str(prompts)
+    assert resolve(data="bundled:letters.jsonl").data.endswith("letters.jsonl")
 
 
 def test_every_problem_is_reported_at_once():

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from miles_runner.engine.auth import install_auth
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.http_server import create_app
@@ -36,15 +37,21 @@ class Service:
 
 
 @contextlib.asynccontextmanager
-async def service(tmp_path: Path, *, engines: int = 2, **app_options: Any) -> AsyncIterator[Service]:
+async def service(
+    tmp_path: Path, *, engines: int = 2, engine_key: str | None = None, **app_options: Any
+) -> AsyncIterator[Service]:
+    """The API over a controller whose engines are abort recorders (with `engine_key`: behind SGLang's auth, and the
+    controller holds the key, as a keyed run's does)."""
     async with contextlib.AsyncExitStack() as stack:
         recorders = [abort_recorder() for _ in range(engines)]
+        for app, _ in recorders:
+            install_auth(app, api_key=engine_key, admin_api_key=None)
         engine_urls: list[str] = []  # filled once the recorders listen
 
         async def workers() -> list[str]:
             return engine_urls
 
-        controller = MultiLoRAController(defaults(str(tmp_path)), LIMITS, workers)
+        controller = MultiLoRAController(defaults(str(tmp_path)), LIMITS, workers, api_key=engine_key)
         app = create_app(controller, **app_options)
         url, *listening = await stack.enter_async_context(serve(app, *(engine for engine, _ in recorders)))
         engine_urls += listening
@@ -141,6 +148,17 @@ async def test_retire_posts_a_prefix_abort_to_every_engine(api):
     await api.http.delete("/adapter_runs/A")
     assert await api.controller.retire_adapters() == ["A"]
     assert api.aborts == [[{"rid": "A::", "abort_all": False, "prefix": True}]] * 2
+
+
+@pytest.mark.reliability
+async def test_the_controller_sends_the_runs_key_with_its_aborts_to_keyed_engines(tmp_path):
+    async with service(tmp_path, engine_key=TOKEN) as running:
+        running.controller.register_adapter("A", {})
+        running.controller.deregister_adapter("A")
+        await running.controller.retire_adapters()
+        assert running.aborts == [[{"rid": "A::", "abort_all": False, "prefix": True}]] * 2
+        unkeyed = await running.http.post(f"{running.engine_urls[0]}/abort_request", json={"rid": "A::"})
+        assert unkeyed.status_code == 401  # the stand-ins do refuse a request without it
 
 
 async def test_free_slot_aborts_once_more_only_in_cleanup(api):
@@ -255,3 +273,41 @@ async def test_the_client_raises_the_controllers_errors(api):
             await client.register_adapter("a", {})
         with pytest.raises(UnknownAdapterError):
             await client.mark_batch_trained("never")
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("field,raw", [("lr", "NaN"), ("alpha", "Infinity"), ("lr", "-Infinity")])
+async def test_a_non_finite_number_is_400_naming_the_field(api, field, raw):
+    body = '{"name": "a", "config": {"' + field + '": ' + raw + "}}"  # JSON as Python's parser reads it
+    response = await api.http.post("/adapter_runs", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and f"{field} must be a finite number > 0" in response.json()["detail"]
+    assert (await api.http.get("/state")).json()["pending"] == {}
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("save", ["/etc/miles-adapter", "../../escape"])
+async def test_a_save_folder_outside_the_run_is_400(api, save):
+    response = await register(api, "a", save=save)
+    assert response.status_code == 400 and "save must name a folder inside" in response.json()["detail"]
+
+
+@pytest.mark.reliability
+async def test_a_data_file_outside_the_run_is_400_and_says_nothing_of_its_existence(api):
+    answers = [(await register(api, "a", data=path)).json()["detail"] for path in ("/etc/passwd", "/etc/no-such")]
+    assert answers[0].replace("/etc/passwd", "PATH") == answers[1].replace("/etc/no-such", "PATH")
+    assert "is not a readable file" in answers[0]
+
+
+@pytest.mark.reliability
+async def test_every_route_documents_its_status_codes_and_response_bodies(api):
+    """The OpenAPI schema tells the truth (issue 15 defect 10): errors and 200 bodies have schemas."""
+    paths = (await api.http.get("/openapi.json")).json()["paths"]
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            codes = set(operation["responses"])
+            assert "200" in codes and ("401" in codes or path == "/health"), (method, path, codes)
+            for code, response in operation["responses"].items():
+                assert response["content"]["application/json"]["schema"], (method, path, code)
+    register_codes = set(paths["/adapter_runs"]["post"]["responses"])
+    assert register_codes == {"200", "400", "401", "409", "422"}
+    assert set(paths["/adapter_runs/{name}"]["get"]["responses"]) == {"200", "401", "404", "422"}

@@ -88,6 +88,10 @@ CASES = [
         "session-v2-returns-sample-lists", TINY,
         ("session=v2", "rollout.group_rm=true"), ("session=v2", "rollout.group_rm=false"), "group-rm",
     ),
+    RuleCase("session-limits-fit-rollout", TINY, ("session.max_sessions=100",), ("session.max_sessions=128",)),
+    RuleCase("session-open-to-the-network-needs-key", TINY, ("session.host=0.0.0.0",),
+             ("session.host=0.0.0.0", "security.api_key_env=MILES_RUN_KEY")),
+    RuleCase("session-limits-fit-rollout", CPU, ("session.max_age_s=0",), ("session.max_age_s=1",), variant="age"),
     RuleCase(
         "tito-model-needs-session", CPU,
         ("session.tito_model=qwen3",), ("session.tito_model=qwen3", "session=v1"),
@@ -537,6 +541,12 @@ CASES = [
     RuleCase("tito-model-fits-tokenizer", TINY, ("session.tito_model=glm47", "session.max_trim_tokens=1"),
              ("session.tito_model=qwen3",)),
     RuleCase("tito-model-needs-trim", GLM, ("session.max_trim_tokens=0",), ("session.max_trim_tokens=1",)),
+    RuleCase("api-key-env-is-a-variable-name", CPU, ("security.api_key_env=my-key",),
+             ("security.api_key_env=MILES_API_KEY",)),
+    RuleCase("rollout-within-engine-limits", CPU, ("engine.max_batch_size=2",), ("engine.max_batch_size=4",)),
+    RuleCase("rollout-within-engine-limits", CPU, ("rollout.n_samples_per_prompt=300",),
+             ("rollout.n_samples_per_prompt=300", "engine.max_n=300"), variant="n"),
+    RuleCase("sglang-engine-has-no-request-limits", QWEN05, ("engine.max_n=8",), ()),
 ]
 # fmt: on
 

@@ -1,15 +1,19 @@
 """Real servers on loopback for the session tests: the embedded engine (a subprocess), session servers
-(uvicorn in a thread, so tests can reach their state), and `FaultInjectingUpstream`, the one fake: a pass-through
-proxy in front of the engine that can hang or be switched off to inject upstream faults."""
+(uvicorn in a thread, so tests can reach their state), and the fault injectors, the only fakes: pass-through
+proxies in front of the engine that hang or are switched off (`FaultInjectingUpstream`) or fail at random in
+named ways (`RandomFaultUpstream`, seeded)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
+from collections import Counter
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
@@ -40,7 +44,9 @@ def make_test_adapter(model_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def start_embedded_engine(model_dir: Path, adapter_dir: Path, log_dir: Path) -> tuple[ManagedProcess, str]:
+def start_embedded_engine(
+    model_dir: Path, adapter_dir: Path, log_dir: Path, *, api_key: str | None = None
+) -> tuple[ManagedProcess, str]:
     port = free_port()
     argv = [
         sys.executable, "-m", "miles_runner.embedded_engine",
@@ -48,6 +54,8 @@ def start_embedded_engine(model_dir: Path, adapter_dir: Path, log_dir: Path) -> 
         "--enable-return-routed-experts", "--enable-lora",
         "--lora-paths", f"{ADAPTER_NAME}={adapter_dir}", f"{SLOT_NAME}={adapter_dir}",
     ]  # fmt: skip
+    if api_key:
+        argv += ["--api-key", api_key]
     process = start_engine(argv, port=port, log_path=log_dir / "engine.log", timeout_s=300)
     return process, f"http://127.0.0.1:{port}"
 
@@ -58,6 +66,7 @@ class FaultInjectingUpstream:
     def __init__(self, engine_url: str) -> None:
         self.engine_url = engine_url
         self.hanging = False  # while set, requests wait (past the session server's upstream timeout)
+        self.received: list[str] = []  # the path of every request that arrived, in order
         self._server = ThreadedServer(self._build_app())
         self.url = self._server.url
 
@@ -66,6 +75,7 @@ class FaultInjectingUpstream:
 
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def forward(path: str, request: Request) -> Response:
+            self.received.append(f"/{path}")
             while self.hanging:
                 await asyncio.sleep(0.05)
             async with httpx.AsyncClient(base_url=self.engine_url, timeout=60, trust_env=False) as http:
@@ -85,6 +95,65 @@ class FaultInjectingUpstream:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+class RandomFaultUpstream:
+    """Fault injection only (seeded): a pass-through proxy to the engine whose /generate fails at random in one
+    of FAULTS ways; every other path passes. `injected` counts the faults by kind."""
+
+    FAULTS = ("engine_500", "engine_503_text", "bad_json_200", "no_meta_info_200", "reply_lost", "cut_body", "hang")
+
+    def __init__(self, engine_url: str, *, seed: int, fault_rate: float, hang_s: float) -> None:
+        self.engine_url = engine_url
+        self.rng = random.Random(seed)
+        self.fault_rate, self.hang_s = fault_rate, hang_s
+        self.injected: Counter[str] = Counter()
+        self._server = ThreadedServer(self._build_app())
+        self.url = self._server.url
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+        http = httpx.AsyncClient(base_url=self.engine_url, timeout=60, trust_env=False)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            fault = self._draw() if path == "generate" else None
+            if fault is not None:
+                self.injected[fault] += 1
+            if fault == "hang":
+                await asyncio.sleep(self.hang_s)
+            if fault in ("engine_500", "hang"):
+                return JSONResponse({"error": {"message": f"injected fault: {fault}"}}, status_code=500)
+            if fault == "engine_503_text":
+                return PlainTextResponse("injected fault: overloaded", status_code=503)
+            if fault == "bad_json_200":
+                return Response(b'{"text": "injected fault', media_type="application/json")
+            upstream = await http.request(request.method, f"/{path}", content=await request.body(),
+                                          headers={"content-type": "application/json"})  # fmt: skip
+            if fault == "reply_lost":  # the engine generated, the reply never arrived
+                return JSONResponse({"error": {"message": "injected fault: reply lost"}}, status_code=502)
+            if fault == "no_meta_info_200":
+                return JSONResponse({k: v for k, v in upstream.json().items() if k != "meta_info"})
+            if fault == "cut_body":  # headers and half the body, then the connection drops
+                return StreamingResponse(_cut(upstream.content), media_type="application/json")
+            return Response(upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+        return app
+
+    def _draw(self) -> str | None:
+        return self.rng.choice(self.FAULTS) if self.rng.random() < self.fault_rate else None
+
+    def __enter__(self) -> RandomFaultUpstream:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.stop()
+
+
+async def _cut(content: bytes):
+    yield content[: len(content) // 2]
+    raise ConnectionResetError("injected fault: connection dropped mid-body")
 
 
 def new_session(server: ThreadedServer, **body) -> str:

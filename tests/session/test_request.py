@@ -104,3 +104,9 @@ def test_the_fake_stream_is_one_chunk_then_done_with_tool_call_indices():
     assert [call["index"] for call in chunk["choices"][0]["delta"]["tool_calls"]] == [0, 1]
     assert chunk["choices"][0]["finish_reason"] == "stop"
     assert chunk["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize(("field", "value"), [("model", ["tiny"]), ("stream", "yes"), ("stream_options", 1)])
+def test_a_field_the_server_reads_with_the_wrong_type_is_a_400_naming_it(field, value):
+    with pytest.raises(MessageValidationError, match=f"^{field} must be"):
+        prepare_chat_request({"messages": [{"role": "user", "content": "hi"}], field: value}, CONFIG, None)

@@ -129,3 +129,17 @@ def test_an_adapter_slot_session_sends_rid_and_extra_key(lora_server):
 def test_a_malformed_adapter_slot_is_400(lora_server):
     reply = httpx.post(f"{lora_server.url}/sessions", json={"adapter": {"name": "a::b", "lora_name": "x"}})
     assert reply.status_code == 400
+
+
+def test_the_openapi_schema_documents_each_routes_real_answers(lora_server):
+    paths = httpx.get(f"{lora_server.url}/openapi.json").json()["paths"]
+    chat = paths["/sessions/{session_id}/v1/chat/completions"]["post"]
+    assert {"400", "404", "409", "502", "503", "4XX"} <= set(chat["responses"])
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["required"] == ["messages"]
+    samples = paths["/sessions/{session_id}/samples"]["post"]["responses"]
+    assert list(samples["200"]["content"]) == ["application/octet-stream"]
+    assert list(samples["422"]["content"]) == ["text/plain"]
+    assert "429" in paths["/sessions"]["post"]["responses"]
+    assert "422" not in paths["/sessions/{session_id}"]["get"]["responses"]  # no FastAPI validation can fail
+    assert not [path for path in paths if "server_info" in path or "{path" in path]  # an allow-list, no catch-all

@@ -43,3 +43,24 @@ def test_the_standalone_server_serves_a_turn(standalone_server):
     assert reply.status_code == 200
     [record] = httpx.get(f"{standalone_server}/sessions/{session_id}").json()["records"]
     assert record["request"]["lora_path"] == "miles_lora"
+
+
+def test_the_plans_session_limits_and_key_reach_the_server(monkeypatch):
+    from miles_runner.config.compose import compose
+    from miles_runner.plan.compile import compile_plan
+
+    overrides = ["+recipe=tiny_lora_agentic", "session.max_sessions=177", "session.max_age_s=12.5"]
+    plan = compile_plan(compose([*overrides, "security.api_key_env=SESSION_TEST_KEY"]))
+    monkeypatch.setenv("SESSION_TEST_KEY", "k-123")
+    config = config_from_args(build_parser().parse_args(plan.session.launch.argv[3:]))
+    assert (config.max_sessions, config.max_age_s) == (177, 12.5)
+    assert config.api_key == config.upstream_api_key == "k-123"
+
+
+def test_api_key_env_naming_an_unset_variable_stops_the_server(monkeypatch):
+    monkeypatch.delenv("SESSION_TEST_KEY", raising=False)
+    args = build_parser().parse_args(
+        ["--engine-url", "http://127.0.0.1:1", "--model-path", "m", "--port", "7", "--api-key-env", "SESSION_TEST_KEY"]
+    )
+    with pytest.raises(SystemExit, match="SESSION_TEST_KEY, which is unset or empty"):
+        config_from_args(args)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.collect import EmptyBatchTimeoutError, TrainBatch, collect_batch
 from miles_runner.multi_lora.producer import GroupProducer
 from miles_runner.multi_lora.registry import RegistrySnapshot
-from miles_runner.multi_lora.settings import TOKEN_ENV
 from miles_runner.plan.model import Plan
 from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.multi_lora import MultiLoRARollout
@@ -63,9 +61,10 @@ class MultiLoRALoop:
 
     async def _serve(self, deployment: Deployment) -> list[dict[str, Any]]:
         """The producer fills the adapters' buffers while the loop runs; everything is closed after it."""
-        rollout_client = rollout_workers(self.plan, deployment.engine_urls)  # groups spread over the engines
+        # groups spread over the engines
+        rollout_client = rollout_workers(self.plan, deployment.engine_urls, api_key=deployment.api_key)
         producer = self._connect(deployment, rollout_client)
-        self._assemble()
+        self._assemble(deployment.trainer_address)
         producer.start()
         try:
             await self._loop()
@@ -82,10 +81,11 @@ class MultiLoRALoop:
     def _connect(self, deployment: Deployment, rollout_client: WorkerPool) -> GroupProducer:
         """Clients of the engines and the controller, the rollout, the buffers and the producer that fills them."""
         plan, m = self.plan, self.plan.multi_lora
-        self.engines = [EngineClient(url) for url in deployment.engine_urls]
-        self.controller = ControllerClient(m.launch.url, api_token=os.environ.get(TOKEN_ENV) or None)
+        key = deployment.api_key  # the run's key: the engines, the session server and the controller require it
+        self.engines = [EngineClient(url, api_key=key) for url in deployment.engine_urls]
+        self.controller = ControllerClient(m.launch.url, api_token=key)
         cache = AdaptersCache(self.controller.snapshot, ttl_s=CACHE_TTL_S)
-        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url)
+        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url, api_key=key)
         # Failing requests are tolerated while a lost engine can be noticed (a collect times out) and restarted.
         grace_s = m.max_empty_wait_s + plan.executor.health_timeout_s
         self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed, unreachable_grace_s=grace_s)
@@ -94,9 +94,9 @@ class MultiLoRALoop:
             cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group, concurrency=2 * m.slots
         )
 
-    def _assemble(self) -> None:
+    def _assemble(self, trainer_address: str) -> None:
         """The collaborators that do the loop's jobs, and the tracker (from the resumed iteration on)."""
-        self.sync = make_sync(self.plan, self.engines)  # every push names its slot
+        self.sync = make_sync(self.plan, self.engines, trainer_address=trainer_address)  # every push names its slot
         self.checkpoints = AdapterCheckpoints(self.plan.checkpoint, self.trainer, self.rollout, self.controller)
         sync, model = self.plan.sync, self.plan.model_path
         probe = PushProbe(self.engines, probe_token_ids(model), sync.max_logprob_gap) if sync.verify else None

@@ -46,7 +46,7 @@ class EngineRecovery:
         deadline = time.monotonic() + ENGINE_DEATH_WAIT_S
         while time.monotonic() < deadline:
             if await self.restart_dead(iteration):
-                log.warning("an engine died during the weight push (%r); it was restarted", error)
+                log.warning("an engine died (%r); it was restarted", error)
                 return True
             await asyncio.sleep(DEATH_POLL_S)
         return False

@@ -23,6 +23,8 @@ Modules, one per section, in the order their rules run:
     model            the model description matches its checkpoint, and its name can be served
     engine_build     a plan for stock SGLang uses no feature only the sglang-miles fork serves
     training         estimators, optimizer, trainer and rollout switches, metrics file (more NOT_BUILT)
+    security         the run's key names an environment variable
+    engine_limits    the embedded engine's request limits fit the rollout's requests; SGLang has none
 """
 
 # Imported for their @rule registrations. Import order is registration order, which is the order problems are
@@ -32,7 +34,7 @@ from miles_runner.plan.rules import sizes, session, fully_async, offload, weight
 from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic, backends  # noqa: F401
 from miles_runner.plan.rules import megatron, weight_sync  # noqa: F401
 from miles_runner.plan.rules import model, engine_build  # noqa: F401
-from miles_runner.plan.rules import training
+from miles_runner.plan.rules import training, security, engine_limits  # noqa: F401
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from miles_runner.config.schema import MilesConfig
@@ -82,4 +83,37 @@ def session_needs_adapter_on_engines(cfg: MilesConfig, d: Derived) -> Iterator[F
             (SESSION, "adapters.train_only"),
             "The session server attaches the adapter to every turn, but train_only never loads it on the engines.",
             "adapters.train_only=false",
+        )
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+@rule("session-open-to-the-network-needs-key")
+def session_open_to_the_network_needs_key(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if cfg.session.version != "off" and cfg.session.host in WILDCARD_HOSTS and not cfg.security.api_key_env:
+        yield Finding(
+            ("session.host", "security.api_key_env"),
+            f"session.host={cfg.session.host!r} listens on every interface, so anyone on the network could "
+            "open sessions and drive the engines through them, and the run has no key.",
+            "session.host=127.0.0.1 (agents on this machine), or set security.api_key_env (SECURITY.md)",
+        )
+
+
+@rule("session-limits-fit-rollout")
+def session_limits_fit_rollout(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    s, r = cfg.session, cfg.rollout
+    if s.max_sessions < 1:
+        yield Finding(("session.max_sessions",), "session.max_sessions caps the open sessions; it must be at least 1.",
+                      "session.max_sessions=1024")  # fmt: skip
+    if not 0 < s.max_age_s < math.inf:
+        yield Finding(("session.max_age_s",), "session.max_age_s is a session's lifetime in seconds; it must be a "
+                      "positive, finite number.", "session.max_age_s=3600")  # fmt: skip
+    episodes = r.rollout_batch_size * r.n_samples_per_prompt
+    if s.version != "off" and 1 <= s.max_sessions < episodes:
+        yield Finding(
+            ("session.max_sessions", "rollout.rollout_batch_size", "rollout.n_samples_per_prompt"),
+            f"A rollout plays its {episodes} episodes at once, one session each, above session.max_sessions="
+            f"{s.max_sessions}: the session server would refuse the rest with a 429.",
+            f"session.max_sessions={episodes}",
         )
