@@ -22,6 +22,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from miles_runner.engine.fastapi_app import drop_validation_422
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -168,13 +170,8 @@ REFERENCED = (GenerateItem, ChatCompletion, NativeError, LoRAReply, WeightsReply
 def truthful_openapi(app: FastAPI) -> dict:
     """The app's OpenAPI document without the 422 the engine never answers, with the models referred to by name."""
     if app.openapi_schema is None:
-        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operations in document.get("paths", {}).values():
-            for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
+        document = drop_validation_422(get_openapi(title=app.title, version=app.version, routes=app.routes))
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            schemas.pop(name, None)
         for model in REFERENCED:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))

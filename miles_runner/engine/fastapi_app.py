@@ -9,6 +9,7 @@ which pyproject allows, have neither the option nor the per-request check).
 from __future__ import annotations
 
 import inspect
+import json
 from functools import cache
 from typing import Any
 
@@ -20,6 +21,18 @@ TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
 @cache
 def has_telemetry_option() -> bool:
     return "telemetry" in inspect.signature(FastAPI.__init__).parameters
+
+
+def drop_validation_422(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` (an OpenAPI dict) without the 422 HTTPValidationError FastAPI lists on every route with
+    parameters, for servers that never answer it (they map validation failures to 400, or parse bodies by hand)."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            if "HTTPValidationError" in json.dumps(operation.get("responses", {}).get("422", {})):
+                del operation["responses"]["422"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        document.get("components", {}).get("schemas", {}).pop(name, None)
+    return document
 
 
 def fastapi_app(**kwargs: Any) -> FastAPI:

@@ -6,10 +6,11 @@ no validation, so the accepted input stays exactly what the handlers accept.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI
+
+from miles_runner.engine.fastapi_app import drop_validation_422
 
 ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
 # An engine error passed through as it came: SGLang's {"error": {...}} or {"object": "error", ...}, or text.
@@ -134,13 +135,7 @@ def drop_unreachable_validation_errors(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = build()
-            for operations in schema["paths"].values():
-                for operation in operations.values():
-                    if "HTTPValidationError" in json.dumps(operation["responses"].get("422", {})):
-                        del operation["responses"]["422"]
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            drop_validation_422(build())  # build() caches the document in app.openapi_schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
