@@ -79,9 +79,14 @@ plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
 # The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
-# --durations: every run prints its 15 slowest tests (where the suite's time goes).
+# --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
+# 18 min against 33 in one process). Each test file stays on one worker (--dist loadfile), so a module's shared run or
+# server starts once and the local Slurm cluster (tests/slurm, one file) has one owner; files with slow tests go first
+# (tests/conftest.py; --no-loadscope-reorder keeps that order). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: layers sglang-spec bridge-env
-	$(BIN)/python -m pytest -q --durations=15 --ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+		--ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory bridge-test
 
 # The inner loop (under 2 minutes on 2 cores): the unit tests, no servers, processes or training runs, spread over

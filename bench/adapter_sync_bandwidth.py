@@ -164,7 +164,10 @@ def marginal_bandwidth(byte_counts: list[int], seconds: list[float]) -> float | 
     """Bytes per second of the least-squares slope of seconds over bytes; None when the seconds do not rise with
     the bytes (noise larger than the per-byte cost)."""
     slope = float(np.polyfit(np.array(byte_counts, float), np.array(seconds, float), 1)[0])
-    return None if slope <= 0 else 1 / slope
+    # A rise over the whole byte range within rounding of the seconds is no rise (least squares on equal
+    # seconds can give a slope of +1e-18 rather than 0, depending on the LAPACK path).
+    rise = slope * (max(byte_counts) - min(byte_counts))
+    return None if rise <= 1e-9 * max(seconds) else 1 / slope
 
 
 async def run(model_dir: Path, repeats: int) -> dict[str, Any]:

@@ -13,6 +13,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MILES_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+# Under pytest-xdist each worker's Ray clusters keep their session files (and `ray_current_cluster`, which
+# `address="auto"` reads) in a folder of their own, so that one worker's run never finds another's cluster.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(Path(os.environ["RAY_TMPDIR"]) / "ray", exist_ok=True)  # Ray writes its address file there first
 
 # A suite started as a background job (`make test &`, nohup) inherits SIGINT ignored, and so would every process it
 # starts: the Ctrl-C tests send SIGINT to a run and expect what a terminal's Ctrl-C does. Python's handler here
@@ -30,6 +35,10 @@ SERVER_FIXTURES = frozenset({
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Files with a `slow` test first (the order within a file kept): `make test` hands whole files to its workers in
+    # this order, so the long ones start at once instead of leaving one worker busy at the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)

@@ -6,13 +6,17 @@ append-only stream of patches: any gap, overlap, missing payload or wrong size i
 turn and the rows, never a silently wrong tensor.
 
 Speed (bench/r3_merge_speed.py): each patch is decoded as a view of its bytes and copied once, straight into
-the preallocated result, then dropped while it is still in cache; a 50-turn session of a 48-layer top-8 model
-merges about 50 MB that way instead of decoding, copying and concatenating it.
+its rows of the preallocated result, then dropped while it is still in cache; the patches after the first are
+decoded and placed on a small thread pool. A 50-turn session of a 48-layer top-8 model merges about 50 MB that
+way instead of decoding, copying and concatenating it on one core.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,60 +58,99 @@ def assemble_incremental_r3(records: Sequence[SessionRecord], required_rows: int
     """Concatenate the per-turn patches into rows [0, required_rows)."""
     if required_rows < 0:
         raise ValueError(f"incremental R3: required_rows must be >= 0, got {required_rows}")
+    patches, stream_error = _patch_stream(records, required_rows)
     merged = _MergedRows(required_rows, num_layers)
+    remaining = iter(patches)
+    for patch in remaining:  # in this thread until the first patch with rows sets the result's top-k
+        merged.note(merged.place(patch))
+        if merged.rows is not None:
+            break
+    for shape in _merge_pool().map(merged.place, remaining):  # in turn order: a turn's error comes first
+        merged.note(shape)
+    if stream_error is not None:
+        raise stream_error
+    return merged.result()
+
+
+@dataclass(frozen=True)
+class _Patch:
+    turn: int
+    payload: str
+    start: int
+    end: int
+
+
+def _patch_stream(records: Sequence[SessionRecord], required_rows: int) -> tuple[list[_Patch], ValueError | None]:
+    """The turns' patches while they form an append-only stream from row 0, and the error that ends it early
+    (raised after the patches before it are checked, so that the first faulty turn is the one reported)."""
+    patches: list[_Patch] = []
     covered = 0
     for turn, record in enumerate(records):
-        if merged.patches and covered >= required_rows:
+        if patches and covered >= required_rows:
             break
         start = record.request.get("routed_experts_start_len")
         if start is None:
-            raise ValueError(f"incremental R3: turn {turn} was sent without routed_experts_start_len")
+            return patches, ValueError(f"incremental R3: turn {turn} was sent without routed_experts_start_len")
         if start != covered:
             problem = "leaves a gap over" if start > covered else "overlaps"
             lo, hi = sorted((covered, start))
-            raise ValueError(
+            return patches, ValueError(
                 f"incremental R3: turn {turn} starts at row {start} but rows [0, {covered}) are covered; "
                 f"it {problem} rows [{lo}, {hi})"
             )
         payload = record.meta_info.get("routed_experts")
         _, end = record_row_span(record)
         if payload is None:
-            raise ValueError(f"incremental R3: turn {turn} has no routed_experts payload for rows [{start}, {end})")
-        merged.add(_decode_patch(payload, turn, start, end, num_layers))
+            error = f"incremental R3: turn {turn} has no routed_experts payload for rows [{start}, {end})"
+            return patches, ValueError(error)
+        patches.append(_Patch(turn, payload, start, end))
         covered = end
     if covered < required_rows:
-        raise ValueError(
+        return patches, ValueError(
             f"incremental R3: the records cover rows [0, {covered}) but the sample needs {required_rows} "
             "rows (len(tokens) - 1)"
         )
-    return merged.result()
+    return patches, None
+
+
+def _merge_pool() -> ThreadPoolExecutor:
+    """Threads that decode and place patches side by side: pybase64 and numpy's copy release the GIL, so a
+    50 MB session merges on every core instead of one (bench/r3_merge_speed.py)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="r3-merge")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
 
 
 class _MergedRows:
-    """Rows [0, required_rows) filled patch by patch, in order. The result is allocated at the first patch that
-    has rows (its top-k sets the width); a patch of another top-k is only noted, so that every turn is still
-    checked in order before the disagreement is reported."""
+    """Rows [0, required_rows), each patch decoded and copied straight to its rows (patches of one stream never
+    overlap, so threads may place them at once). The result is allocated at the first patch that has rows (its
+    top-k sets the width); a patch of another top-k is only noted, so that every turn is still checked in order
+    before the disagreement is reported."""
 
     def __init__(self, required_rows: int, num_layers: int) -> None:
         self.required_rows = required_rows
         self.num_layers = num_layers
-        self.patches = 0
-        self.filled = 0
         self.topks: set[int] = set()
         self.rows: np.ndarray | None = None
 
-    def add(self, patch: np.ndarray) -> None:
-        self.patches += 1
-        if not len(patch):
-            return
-        self.topks.add(patch.shape[2])
-        if self.rows is None:
-            self.rows = np.empty((self.required_rows, self.num_layers, patch.shape[2]), dtype=np.int32)
-        if len(self.topks) > 1:
-            return
-        take = min(len(patch), self.required_rows - self.filled)
-        self.rows[self.filled : self.filled + take] = patch[:take]
-        self.filled += take
+    def place(self, patch: _Patch) -> tuple[int, ...]:
+        """Decode `patch` and copy its rows into the result (allocating it at the first); its shape."""
+        rows = _decode_patch(patch.payload, patch.turn, patch.start, patch.end, self.num_layers)
+        if len(rows) and self.rows is None:
+            self.rows = np.empty((self.required_rows, self.num_layers, rows.shape[2]), dtype=np.int32)
+        if len(rows) and rows.shape[2] == self.rows.shape[2]:
+            stop = min(patch.end, self.required_rows)
+            self.rows[patch.start : stop] = rows[: stop - patch.start]
+        return rows.shape
+
+    def note(self, shape: tuple[int, ...]) -> None:
+        """Record a placed patch's top-k, in turn order."""
+        if shape[0]:
+            self.topks.add(shape[2])
 
     def result(self) -> np.ndarray:
         if self.rows is None:  # no patch has rows: the empty shape a zero-row patch decodes to

@@ -11,7 +11,17 @@ pytestmark = pytest.mark.integration
 
 PROMPT_IDS = [5, 6, 7, 8]
 LONG = {"max_new_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
-STARTED_S = 0.4  # long enough for a request to be admitted and produce tokens
+ADMIT_TIMEOUT_S = 60.0
+
+
+async def until_running(client) -> None:
+    """Wait until the engine has admitted a request into its running batch: a fixed sleep is not enough on a
+    loaded machine, where a pause could land before the request runs (and so find nothing to retract)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ADMIT_TIMEOUT_S
+    while not (await client.get("/server_info")).json()["internal_states"][0]["num_running_reqs"]:
+        assert loop.time() < deadline, f"no request was admitted within {ADMIT_TIMEOUT_S} s"
+        await asyncio.sleep(0.01)
 
 
 async def post_generate(client, **body) -> dict:
@@ -22,7 +32,7 @@ async def post_generate(client, **body) -> dict:
 
 async def test_abort_returns_the_partial_tokens_with_an_abort_finish(client):
     task = asyncio.create_task(post_generate(client, rid="abort-me", return_logprob=True))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     response = await client.post("/abort_request", json={"rid": "abort-me"})
     assert response.status_code == 200 and response.content == b""
     out = await task
@@ -34,7 +44,7 @@ async def test_abort_returns_the_partial_tokens_with_an_abort_finish(client):
 async def test_abort_with_prefix_aborts_every_matching_rid_only(client):
     session = [asyncio.create_task(post_generate(client, rid=f"sess7:{turn}")) for turn in range(2)]
     other = asyncio.create_task(post_generate(client, rid="other-1", sampling_params={**LONG, "max_new_tokens": 60}))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     await client.post("/abort_request", json={"rid": "sess7:", "prefix": True})
     assert [out["meta_info"]["finish_reason"]["type"] for out in await asyncio.gather(*session)] == ["abort"] * 2
     assert (await other)["meta_info"]["finish_reason"]["type"] == "length"
@@ -42,7 +52,7 @@ async def test_abort_with_prefix_aborts_every_matching_rid_only(client):
 
 async def test_abort_all_aborts_everything(client):
     tasks = [asyncio.create_task(post_generate(client)) for _ in range(3)]
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     await client.post("/abort_request", json={"abort_all": True})
     assert [out["meta_info"]["finish_reason"]["type"] for out in await asyncio.gather(*tasks)] == ["abort"] * 3
 
@@ -54,7 +64,7 @@ async def test_abort_of_an_unknown_rid_is_a_200_no_op(client):
 
 async def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests(client):
     running = asyncio.create_task(post_generate(client))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     reply = await client.post("/pause_generation", json={"mode": "abort"})
     assert reply.json() == {"message": "Generation paused successfully.", "status": "ok"}
     try:
@@ -78,7 +88,7 @@ async def test_pause_in_place_freezes_requests_and_continue_resumes_them(client)
     events: list[dict] = []
     body = {"input_ids": PROMPT_IDS, "sampling_params": {**LONG, "max_new_tokens": 400}}
     stream = asyncio.create_task(_stream_events(client, body, events))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     await client.post("/pause_generation", json={"mode": "in_place"})
     try:
         frozen_at = len(events)
@@ -97,7 +107,7 @@ async def test_pause_retract_requeues_and_the_request_finishes_identically(clien
     params = {**LONG, "max_new_tokens": 300}
     reference = await post_generate(client, sampling_params=params)
     task = asyncio.create_task(post_generate(client, sampling_params=params))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     await client.post("/pause_generation", json={"mode": "retract"})
     try:
         assert (await client.post("/flush_cache")).status_code == 200  # no KV is held after a retract
@@ -115,7 +125,7 @@ async def test_flush_cache_succeeds_when_idle(client):
 
 async def test_flush_cache_is_400_while_requests_run(client):
     task = asyncio.create_task(post_generate(client, rid="flush-busy"))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     try:
         assert (await client.post("/flush_cache")).status_code == 400
     finally:
@@ -125,7 +135,7 @@ async def test_flush_cache_is_400_while_requests_run(client):
 
 async def test_health_answers_while_a_batch_is_generating(client):
     task = asyncio.create_task(post_generate(client, rid="busy-health"))
-    await asyncio.sleep(STARTED_S)
+    await until_running(client)
     try:
         response = await client.get("/health", timeout=1.0)
         assert response.status_code == 200

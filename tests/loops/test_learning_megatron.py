@@ -1,6 +1,11 @@
 """The learning proof of test_learning.py with the Megatron trainer (`trainer=megatron lora_mode=raw`): the default
-recipe learns, and does not when the rollouts never get the trained adapter (the fault switch, push verification
-off), so the gain comes from the Megatron trainer's updates reaching the engine through the PEFT export."""
+recipe learns, so the Megatron trainer's updates reach the engine through the PEFT export.
+
+The control of that proof is test_learning.py's run under the fault switch (rollouts kept on the initial adapter,
+push verification off): it shows that this recipe's reward does not rise on its own, from the prompt order or the
+engine's sampling. That control does not depend on the trainer backend (its engines never take a trained adapter,
+so what the trainer computes never reaches a rollout), so it is not repeated here with Megatron: the only thing a
+Megatron control run would add is 40 more steps of the same frozen rollouts."""
 
 import time
 
@@ -9,21 +14,13 @@ import pytest
 from tests.loops.recipe_runs import MARGIN, gain, run_default_recipe
 
 MEGATRON = ("trainer=megatron", "lora_mode=raw")
-RUN_TIMEOUT_S = 1500  # a Megatron step on CPU takes longer than an FSDP one: each run may take ~10 min
+RUN_TIMEOUT_S = 1500  # a Megatron step on CPU takes longer than an FSDP one: the run may take ~10 min under load
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 
 
-def timed_rewards(root, *, fault: bool) -> list[float]:
+def test_megatron_default_recipe_learns(tmp_path):
     started = time.monotonic()
-    rewards = run_default_recipe(root, *MEGATRON, fault=fault, timeout_s=RUN_TIMEOUT_S)
-    print(f"{'frozen' if fault else 'adapter'} run: gain {gain(rewards):+.3f} in {time.monotonic() - started:.0f} s")
-    return rewards
-
-
-def test_megatron_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_path):
-    learned = timed_rewards(tmp_path / "adapter", fault=False)
-    frozen = timed_rewards(tmp_path / "frozen", fault=True)
+    learned = run_default_recipe(tmp_path / "adapter", *MEGATRON, fault=False, timeout_s=RUN_TIMEOUT_S)
+    print(f"gain {gain(learned):+.3f} in {time.monotonic() - started:.0f} s")
     assert gain(learned) >= MARGIN, learned
-    assert gain(frozen) < MARGIN, frozen
-    assert gain(learned) - gain(frozen) >= MARGIN

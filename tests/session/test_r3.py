@@ -72,6 +72,29 @@ def test_a_payload_with_the_wrong_row_count_is_rejected():
         assemble_incremental_r3([first, short], required_rows=11, num_layers=NUM_LAYERS)
 
 
+def test_a_bad_payload_is_reported_before_a_gap_in_a_later_turn():
+    # The stream is checked before any patch is decoded, but errors still come in turn order.
+    first = incremental_records([TURN_1])[0]
+    short = make_record(*TURN_2, start_len=6, routed=routing_rows(4, offset=6))
+    gapped = make_record([*TURN_2[0], 10, 11, 12, 13], [14], start_len=13, routed=routing_rows(4, offset=13))
+    with pytest.raises(ValueError, match=r"R3: turn 1 rows \[6, 11\)"):
+        assemble_incremental_r3([first, short, gapped], required_rows=16, num_layers=NUM_LAYERS)
+
+
+def test_many_patches_placed_side_by_side_rebuild_the_tensor():
+    # Turns of one to three tokens each: dozens of patches go through the merge's thread pool.
+    rng = np.random.default_rng(0)
+    turns, prompt = [], [1]
+    for _ in range(40):
+        prompt = prompt + [int(t) for t in rng.integers(2, 99, int(rng.integers(1, 3)))]
+        output = [int(t) for t in rng.integers(2, 99, int(rng.integers(1, 3)))]
+        turns.append((prompt, output))
+        prompt = prompt + output
+    required = len(prompt) - 1
+    merged = assemble_incremental_r3(incremental_records(turns), required, NUM_LAYERS)
+    assert merged.tobytes() == routing_rows(required).tobytes()
+
+
 def test_an_empty_payload_for_a_non_empty_delta_is_rejected():
     record = make_record(*TURN_1, start_len=0)
     record.meta_info["routed_experts"] = ""
