@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # installed miles-run defaults to ~/.cache/miles-runner.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast lint layers sglang-spec bridge-env bridge-test bench bench-peers clean
+.PHONY: install run plan test test-fast tiny-models bytecode lint layers sglang-spec bridge-env bridge-test bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -68,8 +68,7 @@ $(BRIDGE_STAMP): pyproject.toml Makefile
 bridge-env: $(BRIDGE_STAMP)
 
 # The tiny models are built by the main venv first (the cache is shared; its transformers sets the weights).
-bridge-test: bridge-env $(STAMP)
-	$(BIN)/python -c "from miles_runner.models.tiny_model import ensure_tiny_model as e; e('tiny-moe'); e('tiny-dense')"
+bridge-test: bridge-env tiny-models
 	$(BRIDGE_BIN)/python -m pytest -q tests/trainer/megatron/bridge $(BRIDGE_PYTEST_ARGS)
 
 run: $(STAMP)
@@ -84,14 +83,26 @@ plan: $(STAMP)
 # server starts once and the local Slurm cluster (tests/slurm, one file) has one owner; files with slow tests go first
 # (tests/conftest.py; --no-loadscope-reorder keeps that order). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: layers sglang-spec bridge-env
+test: layers sglang-spec bridge-env tiny-models bytecode
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
 		--ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory bridge-test
 
+# The tiny models the tests run (the main venv's transformers sets their weights), built once before the workers
+# start: a build inside a test counts against its timeout, and workers that each need one would build it side by side
+# (a fresh clone's first run-tests waited minutes for one another's format pre-training). Cached: a no-op once built.
+tiny-models: $(STAMP)
+	$(BIN)/python -c "from miles_runner.models.format_pretrain import ensure_format_pretrained as f; \
+		from miles_runner.models.tiny_model import ensure_tiny_model as t; t('tiny-dense'); f('tiny-moe')"
+
+# Bytecode of the project's own modules, which every test process, run, engine and server imports: written once here
+# (only what changed since) because nothing else writes it where PYTHONDONTWRITEBYTECODE is set, as on CI machines.
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 miles_runner hydra_plugins miles_testkit bench tests > /dev/null
+
 # The inner loop (under 2 minutes on 2 cores): the unit tests, no servers, processes or training runs, spread over
 # one worker per core (they share no ports or files; 80 s with 2 workers against 122 s in one process).
-test-fast: layers sglang-spec
+test-fast: layers sglang-spec bytecode
 	$(BIN)/python -m pytest -q -n auto -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
 
 lint: layers
