@@ -53,6 +53,12 @@ def compile_overrides(overrides: Sequence[str], *, design: bool = False) -> Plan
 
 
 @pytest.fixture(scope="session")
+def composed() -> Callable[[tuple[str, ...]], ComposedConfig | PlanError]:
+    """The composed config of these overrides, or the PlanError composing them raised (memoised)."""
+    return _composed
+
+
+@pytest.fixture(scope="session")
 def outcome() -> Callable[[Sequence[str]], Plan | PlanError]:
     return compile_overrides
 

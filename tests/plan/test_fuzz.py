@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from functools import cache
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles_runner.config.compose import CONF_DIR, RECIPES_DIR, ComposedConfig, compose, from_composed
+from miles_runner.config.compose import CONF_DIR, RECIPES_DIR, ComposedConfig, from_composed
 from miles_runner.config.provenance import flatten
 from miles_runner.config.schema import defaults_tree
 from miles_runner.core.errors import PlanError
@@ -79,14 +79,6 @@ def base_pool(size: int = 32) -> list[tuple[str, ...]]:
 BASES = base_pool()
 
 
-@cache
-def composed(base: tuple[str, ...]) -> ComposedConfig | PlanError:
-    try:
-        return compose(list(base))
-    except PlanError as error:
-        return error
-
-
 def with_values(base: ComposedConfig, overrides: list[str]) -> ComposedConfig:
     """`base` with each `key=value` set as Hydra sets an existing key, validated again by the schema."""
     tree = dataclasses.asdict(base.config)
@@ -130,7 +122,9 @@ def test_the_new_settings_that_exist_are_fuzzed():
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
           suppress_health_check=list(HealthCheck))  # fmt: skip
 @given(override_sets)
-def test_any_override_combination_gives_a_plan_or_a_plan_error_naming_its_rule(drawn: tuple[Any, list[str]]):
+def test_any_override_combination_gives_a_plan_or_a_plan_error_naming_its_rule(
+    composed: Callable[[tuple[str, ...]], ComposedConfig | PlanError], drawn: tuple[Any, list[str]]
+) -> None:
     base, values = drawn
     result = composed(base)
     if isinstance(result, PlanError):
