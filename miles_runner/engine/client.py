@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from miles_runner.engine.aiohttp_transport import AiohttpTransport
+from miles_runner.engine.aiohttp_transport import AiohttpTransport, WholeResponse
 from miles_runner.engine.base64_json import dumps_with_base64
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -72,19 +72,32 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 
 def http_client(
-    base_url: str, *, timeout_s: float | None, headers: Mapping[str, str] | None = None, max_connections: int = 1024
+    base_url: str,
+    *,
+    timeout_s: float | None,
+    headers: Mapping[str, str] | None = None,
+    max_connections: int = 1024,
+    transport: AiohttpTransport | None = None,
 ) -> httpx.AsyncClient:
     """The async HTTP client of every caller of our servers and the engines: httpx's API over aiohttp's
     connection pool (aiohttp_transport.py says why), no proxy from the environment (servers are reached
     directly; a proxy would break that)."""
-    limits = httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     return httpx.AsyncClient(
         base_url=base_url,
         headers=headers,
         timeout=httpx.Timeout(timeout_s),
-        transport=AiohttpTransport(limits),
+        transport=transport or aiohttp_transport(max_connections),
         trust_env=False,
     )
+
+
+def aiohttp_transport(max_connections: int) -> AiohttpTransport:
+    return AiohttpTransport(httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+
+def encode_json(value: Any) -> bytes:
+    """A JSON body as httpx encodes `json=` (compact, UTF-8, NaN refused with a ValueError)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 class EngineClient:
@@ -103,12 +116,10 @@ class EngineClient:
         max_connections: int = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = http_client(
-            self.base_url,
-            timeout_s=timeout_s,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-            max_connections=max_connections,
-        )
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout_s = timeout_s
+        self._transport = aiohttp_transport(max_connections)  # shared with `_http`: one pool of connections
+        self._http = http_client(self.base_url, timeout_s=timeout_s, headers=self._headers, transport=self._transport)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -430,15 +441,18 @@ class EngineClient:
         routing_key: str | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        headers = _routing_headers(routing_key)
+        """A JSON call: the decoded answer, EngineError for an error status. It goes on the transport directly
+        (AiohttpTransport.fetch says why), with the client's headers and timeouts."""
+        headers = {**self._headers, **(_routing_headers(routing_key) or {})}
+        if json is not None and content is None:
+            content = encode_json(json)
         if content is not None:
-            headers = {**(headers or {}), "Content-Type": "application/json"}
-        response = await self.request(
-            method, path, json=json, content=content, headers=headers, timeout_s=timeout_s
-        )
-        if response.is_error:
-            raise engine_error(response)
-        return _body(response)
+            headers["Content-Type"] = "application/json"
+        url = f"{self.base_url}{path}"
+        phases = dict.fromkeys(("pool", "connect", "read"), self._timeout_s if timeout_s is None else timeout_s)
+        with _unavailable_on_transport_error(url):
+            response = await self._transport.fetch(method, url, headers=headers, content=content, timeout=phases)
+        return _whole_body(response)
 
     async def _answers_ok(self, path: str) -> bool:
         try:
@@ -511,6 +525,19 @@ def engine_error(response: httpx.Response) -> EngineError:
     """The typed error for an HTTP error answer (for callers of `request`)."""
     body = _body(response)
     return EngineError(response.status_code, error_message(body, response.reason_phrase), body)
+
+
+def _whole_body(response: WholeResponse) -> Any:
+    """The decoded body of a `fetch`ed answer (as `_body`), or its EngineError."""
+    body: Any = None
+    if response.content:
+        try:
+            body = json.loads(response.content)
+        except ValueError:
+            body = response.content.decode(errors="replace")
+    if response.status >= 400:
+        raise EngineError(response.status, error_message(body, response.reason), body)
+    return body
 
 
 async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -80,6 +80,17 @@ async def test_sequential_requests_reuse_one_pooled_connection(echo_url: tuple[s
     assert server.connections == 1
 
 
+async def test_json_calls_and_raw_requests_share_one_pooled_connection(echo_url: tuple[str, FaultServer]) -> None:
+    """`_call` goes on the transport directly and `request` through httpx: both must draw on one pool."""
+    url, server = echo_url
+    async with EngineClient(url) as client:
+        await client.generate({"input_ids": [1]})
+        raw = await client.request("POST", "/generate", json={"input_ids": [2]})
+        assert raw.json()["echo"] == {"input_ids": [2]}
+        assert (await client.generate({"input_ids": [3]}))["echo"] == {"input_ids": [3]}
+    assert server.connections == 1
+
+
 async def test_concurrent_requests_each_get_an_answer(echo_url: tuple[str, FaultServer]) -> None:
     url, _ = echo_url
     async with EngineClient(url) as client:
