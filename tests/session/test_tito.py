@@ -63,3 +63,35 @@ def test_a_non_canonical_spelling_is_reported_as_a_mismatch(tito):
 def test_template_kwargs_the_template_cannot_take_are_a_validation_error(tito):
     with pytest.raises(MessageValidationError, match="cannot render"):
         tito.first_turn_ids([SYSTEM, USER_1], None, {"tokenize": True})
+
+
+TEXTS = [
+    "",
+    "<|im_end|>\n",
+    "<|im_start|>user\nWhat is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
+    "plain words, digits 12345 and  two spaces",
+    "unicode: héllo wörld – ünïcödé ✓ 数字",
+    "<|im_end|><|im_start|><|endoftext|> back to back",
+    "\x00miles-session-sentinel\x00 control bytes\t\r\n",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_gives_what_the_tokenizers_own_encode_gives(tito, text):
+    assert tito.encode(text) == tito.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_encode_goes_through_the_wrapper_when_the_backend_would_truncate(tiny_model_dir):
+    """The bare Rust encode is used only while nothing the wrapper resets is set on it: a backend left
+    truncating (by a call with truncation=True) must not cut a prompt short."""
+    from transformers import AutoTokenizer
+
+    from miles_runner.session.tito import TitoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tito = TitoTokenizer(tokenizer)
+    text = TEXTS[2]
+    full = tito.encode(text)
+    tokenizer.backend_tokenizer.enable_truncation(max_length=3)
+    assert tito.encode(text) == full
+    assert len(full) > 3

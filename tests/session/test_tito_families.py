@@ -163,3 +163,10 @@ def test_the_standalone_server_warns_at_start_that_default_is_best_effort(engine
                              startup_timeout_s=120)  # fmt: skip
     with process:
         assert "tito_model default: the model's own chat template" in (tmp_path / "session.log").read_text()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm_shaped"])
+def test_a_family_encodes_as_its_tokenizer_does(family, request):
+    tito = request.getfixturevalue(family)
+    for text in ("<|user|>\nhi<|assistant|>\n<think></think>ok<|observation|>", "<|im_start|>user\n7<|im_end|>\n"):
+        assert tito.encode(text) == tito.tokenizer.encode(text, add_special_tokens=False)
