@@ -513,12 +513,17 @@ def _tensor_metadata(
 
 
 def _body(response: httpx.Response) -> Any:
-    if not response.content:
+    return _decoded(response.content)
+
+
+def _decoded(content: bytes) -> Any:
+    """A JSON body, else its text (flush_cache and some errors answer plain text), None when empty."""
+    if not content:
         return None
     try:
-        return response.json()
+        return json.loads(content)
     except ValueError:
-        return response.text
+        return content.decode(errors="replace")
 
 
 def engine_error(response: httpx.Response) -> EngineError:
@@ -528,13 +533,8 @@ def engine_error(response: httpx.Response) -> EngineError:
 
 
 def _whole_body(response: WholeResponse) -> Any:
-    """The decoded body of a `fetch`ed answer (as `_body`), or its EngineError."""
-    body: Any = None
-    if response.content:
-        try:
-            body = json.loads(response.content)
-        except ValueError:
-            body = response.content.decode(errors="replace")
+    """The decoded body of a `fetch`ed answer, or its EngineError."""
+    body = _decoded(response.content)
     if response.status >= 400:
         raise EngineError(response.status, error_message(body, response.reason), body)
     return body
