@@ -9,7 +9,11 @@ Adapters: LoRA r = 8, 16, 64 on every linear layer (q, k, v, o, gate, up, down),
 trains them, float32 as the CPU trainer exports them, random A and B.
 
 Paths, each the real sync class of the runner against one real embedded engine process:
-- tensor hand-off (lora/tensor_sync.py TensorSync, colocated plan): the tensors travel in the HTTP request;
+- tensor hand-off (lora/tensor_sync.py TensorSync, colocated plan), as the runner does it for an engine on its
+  host: the request carries a handle to a shared-memory segment the trainer rewrites (engine/tensor_shm.py, the
+  CPU analogue of SGLang's CUDA IPC handles);
+- tensor inline (TensorSync with shared_memory=False, what an engine on another host gets): the tensors travel in
+  the HTTP request as base64 safetensors;
 - broadcast (lora/broadcast.py BroadcastSync, disaggregated CPU plan): gloo broadcast into the running engine.
 
 Per rank and path: `push` is the whole sync protocol a train step pays (pause, flush, unload, load, version,
@@ -60,6 +64,7 @@ QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_attention_h
 NUM_LAYERS = 2
 MODEL_NAME = f"qwen2.5-0.5b-shape-{NUM_LAYERS}layers-seed0"
 MEMORY_COPY_BYTES = 256 * 2**20
+PATHS = ("tensor", "tensor_inline", "broadcast")
 TARGET_FRACTION = 0.30  # the issue's target: sync at >= 30% of the copy bandwidth
 ADAPTER = "bench_adapter"
 DISAGGREGATED = ("topology=disaggregated", "topology.rollout_num_gpus=1", "topology.actor_num_gpus_per_node=1")
@@ -180,22 +185,24 @@ async def run(model_dir: Path, repeats: int) -> dict[str, Any]:
     engine = start_engine(argv, port=port, log_path=logs / "engine.log", timeout_s=300)
     try:
         async with EngineClient(engine_url(argv, port), timeout_s=300) as client:
-            tensor_sync = TensorSync([client], plan(), ADAPTER)
-            tensor = await measure_path(tensor_sync, adapters, repeats)
-            await client.unload_lora_adapter(ADAPTER)
-            broadcast_sync = BroadcastSync([client], plan(*DISAGGREGATED), ADAPTER, timeout_s=120)
-            try:
-                broadcast = await measure_path(broadcast_sync, adapters, repeats)
-            finally:
-                await broadcast_sync.close()
+            syncs = {"tensor": TensorSync([client], plan(), ADAPTER),
+                     "tensor_inline": TensorSync([client], plan(), ADAPTER, shared_memory=False),
+                     "broadcast": BroadcastSync([client], plan(*DISAGGREGATED), ADAPTER, timeout_s=120)}  # fmt: skip
+            measured = {}
+            for path, sync in syncs.items():
+                try:
+                    measured[path] = await measure_path(sync, adapters, repeats)
+                    await client.unload_lora_adapter(ADAPTER)
+                finally:
+                    await sync.close()
     finally:
         engine.stop()
     rows = []
     for rank, (tensors, _) in adapters.items():
         nbytes = tensor_bytes(tensors)
         rows.append({"rank": rank, "bytes": nbytes, "tensors": len(tensors),
-                     "copy_seconds": copy_seconds(nbytes, repeats), "tensor": tensor[rank],
-                     "broadcast": broadcast[rank]})  # fmt: skip
+                     "copy_seconds": copy_seconds(nbytes, repeats),
+                     **{path: measured[path][rank] for path in PATHS}})  # fmt: skip
     model = {"name": MODEL_NAME, **QWEN25_05B_SHAPE, "num_hidden_layers": NUM_LAYERS}
     return {"ranks": list(RANKS), "repeats": repeats, "memory_copy_gbs": memory_copy_gbs(repeats), "model": model,
             "target_modules": TARGETS, "rows": rows}  # fmt: skip
@@ -206,14 +213,14 @@ def add_bandwidths(figures: dict[str, Any]) -> None:
     for row in figures["rows"]:
         copy_gbs = row["bytes"] / row["copy_seconds"] / 1e9
         row["copy_gbs"] = copy_gbs
-        for path in ("tensor", "broadcast"):
+        for path in PATHS:
             for kind in ("push", "load"):
                 gbs = row["bytes"] / row[path][f"{kind}_seconds"] / 1e9
                 row[path][f"{kind}_gbs"], row[path][f"{kind}_fraction_of_copy"] = gbs, gbs / copy_gbs
     byte_counts = [row["bytes"] for row in figures["rows"]]
     copy_gbs = statistics.median(row["copy_gbs"] for row in figures["rows"])
     figures["marginal"] = {}
-    for path in ("tensor", "broadcast"):
+    for path in PATHS:
         for kind in ("push", "load"):
             seconds = [row[path][f"{kind}_min_seconds"] for row in figures["rows"]]  # the least disturbed runs
             rate = marginal_bandwidth(byte_counts, seconds)
@@ -229,20 +236,20 @@ def summary(figures: dict[str, Any]) -> list[str]:
         f"Model: the Qwen2.5-0.5B shape with {NUM_LAYERS} layers (random weights); LoRA on all linear layers, "
         "float32; one embedded engine process on loopback; medians of "
         f"{figures['repeats']} syncs. `push` = the whole sync protocol, `load` = the adapter's own trip. "
-        "Copy = numpy copy of the same bytes into fresh memory.",
+        "Copy = numpy copy of the same bytes into fresh memory. Paths: `tensor` = a shared-memory handle in the "
+        "request (an engine on the trainer's host), `tensor_inline` = base64 safetensors in the request (an engine "
+        "elsewhere), `broadcast` = gloo.",
         "",
-        "| r | bytes | copy GB/s | tensor push s | tensor load s (GB/s, % copy) | broadcast push s | "
-        "broadcast load s (GB/s, % copy) |",
+        "| r | bytes | copy GB/s | path | push s | load s | load GB/s (% copy) |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in figures["rows"]:
-        t, b = row["tensor"], row["broadcast"]
-        lines.append(
-            f"| {row['rank']} | {row['bytes']:,} | {row['copy_gbs']:.2f} | {t['push_seconds']:.4f} | "
-            f"{t['load_seconds']:.4f} ({t['load_gbs']:.3f}, {100 * t['load_fraction_of_copy']:.1f}%) | "
-            f"{b['push_seconds']:.4f} | {b['load_seconds']:.4f} ({b['load_gbs']:.3f}, "
-            f"{100 * b['load_fraction_of_copy']:.1f}%) |"
-        )
+        for path in PATHS:
+            m = row[path]
+            lines.append(
+                f"| {row['rank']} | {row['bytes']:,} | {row['copy_gbs']:.2f} | {path} | {m['push_seconds']:.4f} | "
+                f"{m['load_seconds']:.4f} | {m['load_gbs']:.3f} ({100 * m['load_fraction_of_copy']:.1f}%) |"
+            )
     lines += [
         "",
         f"Memory copy bandwidth (numpy, {MEMORY_COPY_BYTES >> 20} MB, beyond the caches): "
@@ -266,7 +273,7 @@ def marginal_text(marginal: dict[str, float | None]) -> str:
 def target_verdict(figures: dict[str, Any]) -> str:
     """Met or missed, by the best figure of each path (push or load, per rank or marginal) against the copy."""
     verdicts = []
-    for path in ("tensor", "broadcast"):
+    for path in PATHS:
         kinds = ("push", "load")
         per_rank = [row[path][f"{kind}_fraction_of_copy"] for row in figures["rows"] for kind in kinds]
         marginal = [figures["marginal"][f"{path}_{kind}"]["fraction_of_copy"] for kind in kinds]

@@ -7,6 +7,11 @@
 - LoRA: adapters live in one ``peft.PeftModel``; a batch mixes adapters through peft's ``adapter_names``
   (``"__base__"`` = no adapter). Adapters that wrap parameters (``target_parameters``, e.g. MoE experts)
   cannot mix in one pass, so while one is loaded each adapter's rows run as their own pass.
+- An adapter loaded from tensors and then unloaded is parked, not deleted (one at most): a load of the same name
+  and config, the colocated sync's unload-then-load, copies the new tensors into its weights instead of building
+  peft's modules again (24 of the 34 ms of a sync, bench/adapter_sync_bandwidth.py), as SGLang's LoRA memory pool
+  reuses its buffers. A parked adapter is never served (the engine's registry no longer names it); any other load
+  deletes it first.
 - Only the scheduler's worker thread calls into this class, so no locking is needed here.
 """
 
@@ -38,6 +43,12 @@ class RowInput:
     all_logits: bool = False  # keep logits for every new token (prompt logprobs), not only the last
 
 
+@dataclass(frozen=True)
+class TensorAdapter:
+    config_dict: dict  # as the load was given it: a reload with the same config may reuse the weights
+    weights: dict[str, torch.Tensor]  # peft state-dict key -> the adapter's own parameter (shares its storage)
+
+
 @dataclass
 class RowOutput:
     logits: torch.Tensor  # (n_new, vocab) when all_logits, else (1, vocab)
@@ -67,6 +78,8 @@ class ModelRunner:
         self._mixable_for: tuple = ()  # the (name, config) of the loaded adapters _mixable was found for
         self._mixable = True
         self.peft = self._wrap_for_lora(lora_target_modules) if enable_lora else None
+        self._from_tensors: dict[str, TensorAdapter] = {}  # adapters loaded from tensors, parked ones included
+        self._parked: str | None = None
 
     # ----- routing capture -------------------------------------------------------------------------------
     @property
@@ -174,6 +187,7 @@ class ModelRunner:
 
     def load_adapter_from_path(self, name: str, path: str) -> None:
         peft = self._require_lora()
+        self._drop_parked()
         try:
             peft.load_adapter(path, adapter_name=name, is_trainable=False)
         except Exception:  # a refused load leaves nothing behind, so the name can be loaded again
@@ -183,6 +197,9 @@ class ModelRunner:
         peft.eval()
 
     def load_adapter_from_tensors(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
+        if self._reload_parked(name, config_dict, tensors):
+            return
+        self._drop_parked()
         from peft import set_peft_model_state_dict
 
         peft = self._require_lora()
@@ -205,6 +222,7 @@ class ModelRunner:
                 f"unexpected {list(result.unexpected_keys)[:4]}"
             )
         peft.eval()
+        self._from_tensors[name] = TensorAdapter(dict(config_dict), owned)  # `owned` became its parameters
 
     def replace_adapter_weights(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite a loaded adapter's weights in place (an upsert): same tensor names, shapes and scaling,
@@ -212,7 +230,7 @@ class ModelRunner:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         peft = self._require_lora()
-        if name not in peft.peft_config:
+        if name not in peft.peft_config or name == self._parked:
             raise ValueError(f"LoRA adapter {name} is not loaded; it cannot be updated in place")
         if _scaling_fields(peft.peft_config[name]) != _scaling_fields(_inference_lora_config(config_dict)):
             raise ValueError(f"an in-place update cannot change the r, lora_alpha or use_rslora of adapter {name}")
@@ -225,7 +243,35 @@ class ModelRunner:
         set_peft_model_state_dict(peft, tensors, adapter_name=name)
 
     def unload_adapter(self, name: str) -> None:
-        self._require_lora().delete_adapter(name)
+        peft = self._require_lora()
+        if name not in peft.peft_config or name == self._parked:
+            raise ValueError(f"LoRA adapter {name} is not loaded")
+        self._drop_parked()
+        if name in self._from_tensors:
+            self._parked = name  # kept for a reload of the same name and config (see the module's docstring)
+        else:
+            peft.delete_adapter(name)
+
+    def _reload_parked(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> bool:
+        """Copy `tensors` into the parked adapter's weights when it has this name, config, tensor names and
+        shapes; then it is loaded again. False (nothing written) otherwise."""
+        parked = self._from_tensors.get(name) if name == self._parked else None
+        if parked is None or parked.config_dict != config_dict:
+            return False
+        shapes = {key: tuple(t.shape) for key, t in tensors.items()}
+        if shapes != {key: tuple(w.shape) for key, w in parked.weights.items()}:
+            return False
+        with torch.no_grad():
+            for key, tensor in tensors.items():
+                parked.weights[key].copy_(tensor)  # casts to the engine's dtype, as a fresh load does
+        self._parked = None
+        return True
+
+    def _drop_parked(self) -> None:
+        if self._parked is not None:
+            self._require_lora().delete_adapter(self._parked)
+            del self._from_tensors[self._parked]
+            self._parked = None
 
     def _require_lora(self):
         if self.peft is None:

@@ -19,7 +19,9 @@ SGLang's bytes are a pickle of CUDA IPC handles: valid only on the same node and
 server. The embedded engine runs on CPU and never unpickles a request body, so it takes safetensors instead:
 same field, same list per rank, same base64 text, a different (data-only) payload inside. SGLang's serializer
 makes a fresh copy per rank, as SGLang's own Engine does, so each rank can release its copy independently; the
-embedded entries are immutable text, so one serialized string serves every rank.
+embedded entries are immutable text, so one serialized string serves every rank. An embedded engine on the
+trainer's host takes a third kind of entry, a handle to a shared-memory segment (tensor_shm.py, the CPU analogue
+of the CUDA IPC handles).
 
 Speed (bench/adapter_sync_bandwidth.py): base64 goes through pybase64 (SIMD; the stdlib codec ran at about
 0.1 GB/s), and tensors are not cloned first: safetensors' `save` already copies them into a blob of its own.
@@ -34,6 +36,8 @@ from typing import Any
 import pybase64
 import torch
 from safetensors.torch import load, save
+
+from miles_runner.engine.tensor_shm import handle_segment_name, is_handle, read_segment
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -59,10 +63,17 @@ def _savable(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 
 def deserialize_named_tensors(payload: str) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`serialize_named_tensors`; raises ``ValueError`` on a malformed payload."""
+    """Inverse of :func:`serialize_named_tensors`, or the tensors of the shared-memory segment a handle names
+    (tensor_shm.py); raises ``ValueError`` on a malformed payload."""
     try:
-        return load(pybase64.b64decode(payload, validate=True))
-    except Exception as exc:  # binascii.Error, safetensors errors: all mean a bad request body
+        blob = pybase64.b64decode(payload, validate=True)
+    except Exception as exc:  # binascii.Error
+        raise ValueError(f"serialized tensors are not a base64 safetensors blob (not base64: {exc})") from exc
+    if is_handle(blob):
+        return read_segment(handle_segment_name(blob))
+    try:
+        return load(blob)
+    except Exception as exc:  # safetensors errors: all mean a bad request body
         raise ValueError(f"serialized tensors are not a base64 safetensors blob: {exc}") from exc
 
 

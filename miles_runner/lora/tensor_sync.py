@@ -1,25 +1,77 @@
-"""Colocated adapter sync: the adapter tensors travel in the request (spec §3.2 colocated path)."""
+"""Colocated adapter sync: the adapter tensors are handed over in the request (spec §3.2 colocated path).
+
+SGLang engines get MultiprocessingSerializer bytes (CUDA IPC handles on GPUs). Embedded engines on the trainer's
+host get a handle to a shared-memory segment the trainer rewrites for every push (engine/tensor_shm.py), the CPU
+analogue; any other embedded engine, or one that cannot open the segment (another /dev/shm, as in a container),
+gets the tensors inline as base64 safetensors, from then on.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from miles_runner.engine.client import EngineClient
+import pybase64
+
+from miles_runner.engine.client import EngineClient, EngineError
+from miles_runner.engine.tensor_shm import TensorSegment, on_this_host, shared_memory_available
 from miles_runner.engine.tensor_wire import lora_tensor_payloads
 from miles_runner.lora.adapter_sync import AdapterSync, unload_quietly
+from miles_runner.plan.model import Plan
+
+SEGMENT_REFUSED = "tensor segment"  # what the engine's error says when it cannot open or read a segment
 
 
 class TensorSync(AdapterSync):
-    """Colocated: unload, then load the adapter from tensors handed over in the request."""
+    """Colocated: unload, then load the adapter from tensors handed over in the request. `shared_memory=False`
+    sends every embedded engine the tensors inline (the bench measures both)."""
+
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        plan: Plan,
+        lora_name: str | None = None,
+        *,
+        shared_memory: bool = True,
+        flush_timeout_s: float = 60,
+    ) -> None:
+        super().__init__(clients, plan, lora_name, flush_timeout_s=flush_timeout_s)
+        shared = shared_memory and self.engine_kind == "embedded" and shared_memory_available()
+        self._by_handle = {c.base_url for c in self.clients if shared and on_this_host(c.base_url)}
+        self._segment: TensorSegment | None = None
+        self._writing = asyncio.Lock()  # one push at a time rewrites the segment (multi-LoRA slots share a sync)
 
     async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
-        payload = lora_tensor_payloads(self.engine_kind, tensors, self.engine_tp)
+        async with self._writing:
+            inline = functools.cache(lambda: lora_tensor_payloads(self.engine_kind, tensors, self.engine_tp))
+            handle = self._write_segment(tensors) if self._by_handle else None
 
-        async def reload(client: EngineClient) -> None:
-            if name in self.loaded:
-                await unload_quietly(client, name)
-            await client.load_lora_adapter_from_tensors(name, config, payload)
+            async def reload(client: EngineClient) -> None:
+                if name in self.loaded:
+                    await unload_quietly(client, name)
+                if handle is None or client.base_url not in self._by_handle:
+                    await client.load_lora_adapter_from_tensors(name, config, inline())
+                    return
+                try:
+                    await client.load_lora_adapter_from_tensors(name, config, handle)
+                except EngineError as exc:
+                    if SEGMENT_REFUSED not in str(exc):
+                        raise
+                    self._by_handle.discard(client.base_url)  # it cannot see our segments: inline from now on
+                    await client.load_lora_adapter_from_tensors(name, config, inline())
 
-        await self._each(reload)
+            await self._each(reload)
 
+    async def close(self) -> None:
+        await super().close()
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _write_segment(self, tensors: Mapping[str, Any]) -> list[str]:
+        if self._segment is None:
+            self._segment = TensorSegment()
+        entry = pybase64.b64encode_as_string(self._segment.write(tensors.items()))
+        return [entry] * self.engine_tp  # every rank reads the same segment, which the engines only read

@@ -53,7 +53,7 @@ def path_seconds(fixed: float, rate: float, nbytes: int, fixed_min: float) -> di
 
 def test_bandwidths_follow_from_the_seconds():
     rows = [{"rank": r, "bytes": b, "copy_seconds": b / 4e9, "tensor": path_seconds(0.01, 1e9, b, 0.005),
-             "broadcast": path_seconds(0.02, 4e9, b, 0.001)}
+             "tensor_inline": path_seconds(0.03, 1e8, b, 0.02), "broadcast": path_seconds(0.02, 4e9, b, 0.001)}
             for r, b in ((8, 1_000_000), (16, 2_000_000), (64, 8_000_000))]  # fmt: skip
     figures = {"rows": rows, "memory_copy_gbs": 2.0}
     bench.add_bandwidths(figures)

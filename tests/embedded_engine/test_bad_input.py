@@ -107,6 +107,23 @@ async def test_invalid_admin_body_is_400(client, path, body):
     assert response.status_code == 400, response.text
 
 
+SEGMENT_HANDLES = {  # base64 of shared-memory handles (engine/tensor_shm.py) that must not reach any file
+    "escape": ("bWlsZXMtc2htOi4uLy4uL2V0Yy9wYXNzd2Q=", "not a tensor segment name"),  # miles-shm:../../etc/passwd
+    "missing": ("bWlsZXMtc2htOm1pbGVzLXRlbnNvcnMtMS0wMDAwMDAwMDAwMDAwMDAw", "cannot be opened here"),
+}
+
+
+@pytest.mark.parametrize("handle", list(SEGMENT_HANDLES))
+@pytest.mark.parametrize("path", ["/load_lora_adapter_from_tensors", "/update_weights_from_tensor"])
+async def test_a_tensor_handle_to_no_segment_of_ours_is_400_naming_why(client, path, handle):
+    entry, why = SEGMENT_HANDLES[handle]
+    body = {"serialized_named_tensors": [entry]}
+    if path == "/load_lora_adapter_from_tensors":
+        body |= {"lora_name": "handle_probe", "config_dict": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}
+    response = await client.post(path, json=body)
+    assert response.status_code == 400 and why in response.text, response.text
+
+
 async def test_unknown_model_card_is_404_model_not_found(client):
     response = await client.get("/v1/models/nope")
     assert response.status_code == 404 and response.json()["code"] == "model_not_found"

@@ -67,3 +67,59 @@ def test_a_refused_load_leaves_no_adapter_and_the_name_free(runner, adapter):
     assert not any(p.is_meta for p in runner.peft.parameters())
     runner.load_adapter_from_tensors("partial", config, tensors)
     runner.unload_adapter("partial")
+
+
+def state(runner, name: str) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(runner.peft, adapter_name=name)
+
+
+def test_a_reload_of_the_same_name_and_config_writes_into_the_unloaded_adapters_weights(runner, adapter):
+    config, tensors = adapter
+    runner.load_adapter_from_tensors("again", config, {k: t.clone() for k, t in tensors.items()})
+    storage = {key: p.data_ptr() for key, p in adapter_weights(runner, "again").items()}
+    runner.unload_adapter("again")
+    doubled = {k: (2 * t).to(torch.bfloat16) for k, t in tensors.items()}
+    runner.load_adapter_from_tensors("again", config, doubled)
+    try:
+        assert {key: p.data_ptr() for key, p in adapter_weights(runner, "again").items()} == storage  # reused
+        loaded = state(runner, "again")
+        assert set(loaded) == set(tensors)
+        assert all(loaded[k].dtype == torch.float32 and torch.equal(loaded[k], doubled[k].float()) for k in tensors)
+    finally:
+        runner.unload_adapter("again")
+
+
+def test_a_reload_with_another_config_builds_the_adapter_afresh(runner, adapter):
+    config, tensors = adapter
+    runner.load_adapter_from_tensors("rescaled", config, tensors)
+    runner.unload_adapter("rescaled")
+    runner.load_adapter_from_tensors("rescaled", {**config, "lora_alpha": 32}, tensors)
+    try:
+        scalings = [m.scaling["rescaled"] for m in runner.peft.modules() if "rescaled" in _dict(m, "scaling")]
+        assert scalings and all(s == 32 / config["r"] for s in scalings)
+        assert all(torch.equal(state(runner, "rescaled")[k], tensors[k]) for k in tensors)
+    finally:
+        runner.unload_adapter("rescaled")
+
+
+def test_an_unloaded_adapter_is_gone_for_every_use_and_any_other_load_deletes_it(runner, adapter, tiny_moe_dir):
+    config, tensors = adapter
+    runner.load_adapter_from_tensors("parked", config, tensors)
+    runner.unload_adapter("parked")
+    with pytest.raises(ValueError, match="not loaded"):
+        runner.unload_adapter("parked")
+    with pytest.raises(ValueError, match="not loaded"):
+        runner.replace_adapter_weights("parked", config, tensors)
+    runner.load_adapter_from_tensors("other", config, tensors)
+    try:
+        assert "parked" not in runner.peft.peft_config and not adapter_weights(runner, "parked")
+    finally:
+        runner.unload_adapter("other")
+    assert "other" in runner.peft.peft_config  # parked: the next load decides
+
+
+def _dict(module, attribute: str) -> dict:
+    value = getattr(module, attribute, None)
+    return value if isinstance(value, dict) else {}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from miles_runner.engine import tensor_shm
 from miles_runner.engine.client import EngineClient
+from miles_runner.engine.tensor_shm import TensorSegment
 from miles_runner.lora.sync import make_sync
 from miles_runner.lora.tensor_sync import TensorSync
 
@@ -64,3 +66,54 @@ async def test_second_push_unloads_and_reloads_with_the_new_tensors(client, sync
     finally:
         await client.unload_lora_adapter("disk_second")
     assert await client.weight_version() == "2"
+
+
+class VanishingSegment(TensorSegment):
+    """Fault injection: the segment is removed as soon as it is written, as an engine with another /dev/shm (a
+    container of its own) would find it: not there."""
+
+    def write(self, named_tensors):
+        handle = super().write(named_tensors)
+        self.path.unlink()
+        return handle
+
+
+needs_shm = pytest.mark.skipif(not tensor_shm.shared_memory_available(), reason="no /dev/shm on this host")
+
+
+@needs_shm
+async def test_an_engine_on_this_host_gets_a_handle_and_close_removes_the_segment(client, sync, adapters):
+    first, _ = adapters
+    await sync.push(first.tensors, first.config, version=1)
+    assert sync._by_handle == {client.base_url} and sync._segment.path.exists()
+    path = sync._segment.path
+    await sync.close()
+    assert not path.exists()
+
+
+@needs_shm
+async def test_an_engine_that_cannot_open_the_segment_gets_the_tensors_inline_from_then_on(client, sync, adapters):
+    first, second = adapters
+    sync._segment = VanishingSegment()
+    await sync.push(first.tensors, first.config, version=1)
+    assert client.base_url not in sync._by_handle
+    await sync.push(second.tensors, second.config, version=2)  # inline, without asking the engine again
+    await client.load_lora_adapter("disk_second_inline", second.path)
+    try:
+        assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+            await greedy_logprobs(client, "disk_second_inline"), abs=1e-5
+        )
+    finally:
+        await client.unload_lora_adapter("disk_second_inline")
+        await sync.close()
+
+
+async def test_without_shared_memory_every_engine_gets_the_tensors_inline(client, colocated_plan, adapters):
+    first, _ = adapters
+    inline = TensorSync([client], colocated_plan, "inline_lora", shared_memory=False)
+    await inline.push(first.tensors, first.config, version=1)
+    try:
+        assert not inline._by_handle and inline._segment is None
+        assert "inline_lora" in await served_adapters(client)
+    finally:
+        await client.unload_lora_adapter("inline_lora")

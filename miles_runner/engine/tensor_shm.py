@@ -1,0 +1,223 @@
+"""Tensors handed to an embedded engine on the same host through shared memory: the CPU analogue of SGLang's
+CUDA IPC handles.
+
+On GPUs, SGLang's tensor routes receive MultiprocessingSerializer bytes, a pickle of CUDA IPC handles: the tensors
+never travel in the request, only handles the engine maps (same node). Here the trainer writes the tensors as a
+safetensors file into a segment of /dev/shm that it owns, and each entry of `serialized_named_tensors` is a handle
+naming that segment. The engine opens it (a name of this module's pattern, directly in /dev/shm, a regular file of
+its own user, not a link), reads it into one buffer of its own in one copy, and answers; the trainer rewrites the
+segment only for its next request. The engine parses the safetensors header itself: safetensors' own loaders map
+the file and return views of the map, which the trainer's next write would change under the engine. Engines on
+other hosts get the tensors inline (tensor_wire.py).
+
+Handle entry: base64 of b"miles-shm:" + the segment's name. A safetensors blob starts with its header's length as 8
+little-endian bytes; b"miles-sh" read so is about 7.6e18, which no blob has, so the two kinds never meet.
+
+Speed (bench/adapter_sync_bandwidth.py): the segment is kept and rewritten in place, so its pages stay mapped and
+warm; a sync costs two copies of the bytes (into the segment, out of it in the engine) and no base64 or JSON of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import re
+import secrets
+import stat
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+
+SHM_DIR = Path("/dev/shm")
+HANDLE_PREFIX = b"miles-shm:"
+SEGMENT_NAME = re.compile(r"miles-tensors-(\d+)-[0-9a-f]{16}")
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+LOOPBACK_HOSTS = {"localhost", "::1"}
+
+
+def shared_memory_available() -> bool:
+    """Whether this host has the POSIX shared-memory folder the segments live in (Linux)."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def on_this_host(base_url: str) -> bool:
+    """Whether an engine at `base_url` runs on this host (a loopback address): only it can open our segments."""
+    host = urlsplit(base_url).hostname or ""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def is_handle(blob: bytes) -> bool:
+    return blob.startswith(HANDLE_PREFIX)
+
+
+class TensorSegment:
+    """A /dev/shm segment this process owns, rewritten in place by each `write` (resized when the bytes change);
+    removed by `close`, when the object is collected, or at exit. One writer at a time: a write must wait until
+    every engine has answered the request that carried the previous handle."""
+
+    def __init__(self) -> None:
+        _remove_orphans()
+        self.name = f"miles-tensors-{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = SHM_DIR / self.name
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None  # a uint8 view of the map, what the tensors are copied into
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._fd)
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+        """Write the tensors as one safetensors file; returns the handle (the entry's bytes, before base64)."""
+        tensors = [(name, _plain(tensor)) for name, tensor in named_tensors]
+        header, data_bytes = _header(tensors)
+        prefix = len(header).to_bytes(8, "little") + header
+        target = self._reserve(len(prefix) + data_bytes)
+        target[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+        offset = len(prefix)
+        for _, tensor in tensors:
+            size = tensor.numel() * tensor.element_size()
+            target[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+            offset += size
+        return HANDLE_PREFIX + self.name.encode("ascii")
+
+    def close(self) -> None:
+        self._unmap()
+        self._finalizer()
+
+    def _reserve(self, size: int) -> torch.Tensor:
+        """The map, at exactly `size` bytes (safetensors wants the file to end where its data ends)."""
+        if self._map is None or len(self._map) != size:
+            self._unmap()
+            os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        assert self._bytes is not None
+        return self._bytes
+
+    def _unmap(self) -> None:
+        self._bytes = None  # the view exports the map's buffer, which must be released before the map closes
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def read_segment(name: str) -> dict[str, torch.Tensor]:
+    """The tensors of the segment a handle names, read into one buffer of this process (nothing stays mapped: the
+    trainer rewrites the segment for its next push); ValueError when the name is not a segment's, or the segment
+    is missing, not this user's regular file, or not a well-formed safetensors file."""
+    if not SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"not a tensor segment name: {name[:80]!r}")
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ValueError(
+            f"tensor segment {name} cannot be opened here ({exc.strerror}): is the engine on the trainer's host, "
+            "sharing its /dev/shm?"
+        ) from exc
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
+            raise ValueError(f"tensor segment {name} is not a regular file of this user")
+        data = np.empty(status.st_size, dtype=np.uint8)
+        _read_into(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        return _tensors_of(torch.from_numpy(data))
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise ValueError(f"tensor segment {name} is not a well-formed safetensors file: {exc}") from exc
+
+
+def _read_into(fd: int, data: np.ndarray) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        count = os.readv(fd, [view[done:]])
+        if count == 0:
+            raise ValueError("tensor segment ended early: it shrank while being read")
+        done += count
+
+
+def _tensors_of(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of the tensors a safetensors file holds, over `data` (the whole file), each checked to lie in it."""
+    header_size = int.from_bytes(data[:8].numpy().tobytes(), "little")
+    start = 8 + header_size
+    if len(data) < 8 or start > len(data):
+        raise ValueError("the header runs past the end of the file")
+    header = json.loads(data[8:start].numpy().tobytes())
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, shape, (first, last) = DTYPES_BY_NAME[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        size = math.prod(shape) * dtype.itemsize
+        if not (first >= 0 and last == first + size and start + last <= len(data)):
+            raise ValueError(f"tensor {key!r}: data offsets {[first, last]} do not fit its shape {shape} or the file")
+        chunk = data[start + first : start + last]
+        aligned = (start + first) % dtype.itemsize == 0  # a view needs its element size's alignment
+        tensors[key] = (chunk if aligned else chunk.clone()).view(dtype).view(shape)
+    return tensors
+
+
+def handle_segment_name(blob: bytes) -> str:
+    return blob[len(HANDLE_PREFIX) :].decode("ascii", errors="replace")
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"dtype {tensor.dtype} has no safetensors name here; send these tensors inline")
+    return tensor
+
+
+def _header(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
+    """The safetensors header (JSON, padded with spaces to 8 bytes as safetensors writes it) and the data's size."""
+    entries: dict[str, dict] = {}
+    offset = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    return header + b" " * (-len(header) % 8), offset
+
+
+def _remove(path: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _remove_orphans() -> None:
+    """Remove the segments of this user's processes that are gone (killed before they could remove their own)."""
+    for path in SHM_DIR.glob("miles-tensors-*"):
+        match = SEGMENT_NAME.fullmatch(path.name)
+        if match and _owned_by_me(path) and not _alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _owned_by_me(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return path.lstat().st_uid == os.getuid()
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

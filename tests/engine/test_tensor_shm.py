@@ -1,0 +1,168 @@
+"""Shared-memory tensor hand-off (engine/tensor_shm.py): the segment is a safetensors file both ways, the engine's
+tensors are its own, and a handle reaches nothing but this user's segments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pybase64
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_runner.engine import tensor_shm
+from miles_runner.engine.tensor_shm import SHM_DIR, TensorSegment, on_this_host, read_segment
+from miles_runner.engine.tensor_wire import deserialize_named_tensors, serialize_named_tensors
+
+pytestmark = pytest.mark.skipif(not tensor_shm.shared_memory_available(), reason="no /dev/shm on this host")
+
+
+def mixed() -> dict[str, torch.Tensor]:
+    """Every dtype kind, odd sizes (a bool before an int64 leaves the int64 unaligned), a scalar, an empty one."""
+    torch.manual_seed(0)
+    return {"w": torch.randn(3, 5), "flag": torch.tensor([True, False, True]), "ids": torch.arange(7),
+            "half": torch.randn(4).to(torch.bfloat16), "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 3), "small": torch.tensor([-3, 4], dtype=torch.int8)}  # fmt: skip
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape and torch.equal(got[key], tensor)
+
+
+@pytest.fixture()
+def segment():
+    made = TensorSegment()
+    yield made
+    made.close()
+
+
+def test_a_handle_entry_reads_back_every_tensor(segment):
+    tensors = mixed()
+    entry = pybase64.b64encode_as_string(segment.write(tensors.items()))
+    assert len(entry) < 100  # a handle, not the bytes
+    assert_same(deserialize_named_tensors(entry), tensors)
+
+
+def test_the_segment_is_a_safetensors_file_that_safetensors_reads(segment):
+    tensors = mixed()
+    segment.write(tensors.items())
+    assert_same(load_file(segment.path), tensors)
+    header_size = int.from_bytes(segment.path.read_bytes()[:8], "little")
+    assert header_size % 8 == 0  # padded, as safetensors writes it
+
+
+def test_a_file_safetensors_wrote_reads_back(tmp_path):
+    tensors = mixed()
+    name = f"miles-tensors-{os.getpid()}-{'0' * 16}"
+    save_file(tensors, SHM_DIR / name)
+    try:
+        assert_same(read_segment(name), tensors)
+    finally:
+        (SHM_DIR / name).unlink()
+
+
+def test_the_engines_tensors_do_not_change_when_the_trainer_rewrites_the_segment(segment):
+    first = {"w": torch.ones(64, 64), "b": torch.arange(10)}
+    handle = pybase64.b64encode_as_string(segment.write(first.items()))
+    received = deserialize_named_tensors(handle)
+    segment.write({"w": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.int64)}.items())
+    assert_same(received, first)
+
+
+def test_a_rewrite_of_other_sizes_resizes_the_segment(segment):
+    segment.write({"big": torch.randn(1000)}.items())
+    small = {"small": torch.randn(3)}
+    segment.write(small.items())
+    assert_same(read_segment(segment.name), small)
+    header_size = int.from_bytes(segment.path.read_bytes()[:8], "little")
+    assert segment.path.stat().st_size == 8 + header_size + 12  # the file ends where its data ends
+
+
+def test_close_removes_the_segment():
+    made = TensorSegment()
+    made.write({"a": torch.ones(2)}.items())
+    assert made.path.exists()
+    made.close()
+    assert not made.path.exists()
+    with pytest.raises(ValueError, match="cannot be opened here"):
+        read_segment(made.name)
+
+
+def test_segments_of_dead_processes_are_removed_and_live_ones_kept():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = SHM_DIR / f"miles-tensors-{int(gone.stdout)}-{'a' * 16}"
+    orphan.write_bytes(b"left by a killed trainer")
+    live = TensorSegment()
+    try:
+        TensorSegment().close()  # a new segment sweeps the orphans
+        assert not orphan.exists() and live.path.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        live.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["../../etc/passwd", "/etc/passwd", "miles-tensors-1-abc", "other-1-0000000000000000", ""]
+)
+def test_a_handle_naming_anything_but_a_segment_is_refused(name):
+    with pytest.raises(ValueError, match="not a tensor segment name"):
+        read_segment(name)
+
+
+def test_a_symlink_named_like_a_segment_is_not_followed(tmp_path):
+    target = tmp_path / "weights.safetensors"
+    save_file({"a": torch.ones(2)}, target)
+    link = SHM_DIR / f"miles-tensors-{os.getpid()}-{'b' * 16}"
+    link.symlink_to(target)
+    try:
+        with pytest.raises(ValueError, match="cannot be opened here"):
+            read_segment(link.name)
+    finally:
+        link.unlink()
+
+
+def malformed_files() -> dict[str, bytes]:
+    def file_of(header: dict, data: bytes) -> bytes:
+        raw = json.dumps(header).encode()
+        return len(raw).to_bytes(8, "little") + raw + data
+
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    return {
+        "header past the end": (10**6).to_bytes(8, "little") + b"{}",
+        "not json": (4).to_bytes(8, "little") + b"{{{{",
+        "data past the end": file_of({"a": entry}, b"\0" * 4),
+        "shape and offsets disagree": file_of({"a": {**entry, "shape": [3]}}, b"\0" * 12),
+        "negative offset": file_of({"a": {**entry, "data_offsets": [-4, 4]}}, b"\0" * 8),
+        "unknown dtype": file_of({"a": {**entry, "dtype": "C64"}}, b"\0" * 8),
+        "too short": b"\1\0",
+    }
+
+
+@pytest.mark.parametrize("kind", list(malformed_files()))
+def test_a_malformed_segment_is_a_clear_error(kind):
+    path = SHM_DIR / f"miles-tensors-{os.getpid()}-{'c' * 16}"
+    path.write_bytes(malformed_files()[kind])
+    try:
+        with pytest.raises(ValueError, match="not a well-formed safetensors file"):
+            read_segment(path.name)
+    finally:
+        path.unlink()
+
+
+def test_inline_entries_still_read_as_safetensors():
+    tensors = mixed()
+    assert_same(deserialize_named_tensors(serialize_named_tensors(tensors)), tensors)
+
+
+@pytest.mark.parametrize(
+    ("url", "local"),
+    [("http://127.0.0.1:30000", True), ("http://127.0.0.5:1", True), ("http://localhost:8000/", True),
+     ("http://[::1]:9000", True), ("http://10.0.0.2:30000", False), ("http://node-3:30000", False)],
+)  # fmt: skip
+def test_only_loopback_engines_count_as_on_this_host(url, local):
+    assert on_this_host(url) is local
