@@ -43,7 +43,8 @@ from miles_runner.embedded_engine.sampling import SamplingConfig
 from miles_runner.embedded_engine.scheduler import Scheduler
 from miles_runner.embedded_engine.validation import GREEDY_BELOW, Limits, check_token_ids, verify_sampling
 from miles_runner.embedded_engine.weight_groups import WeightUpdateGroups
-from miles_runner.engine.tensor_wire import check_tensor_checksums, deserialize_named_tensors
+from miles_runner.engine.tensor_shm import SegmentReader
+from miles_runner.engine.tensor_wire import borrowed_named_tensors, check_tensor_checksums, deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class EmbeddedEngine:
         self.lora = LoRARegistry(args)
         self.limits = Limits(max_n=args.max_n, max_batch_size=args.max_batch_size)
         self.weight_groups = WeightUpdateGroups(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
+        self.segments = SegmentReader()  # adapter tensors a trainer on this host hands over in shared memory
         self.scheduler = Scheduler(
             self.runner,
             self.detok,
@@ -401,10 +403,11 @@ class EmbeddedEngine:
             raise ValueError(f"load_format {body.load_format!r} is not supported; send one safetensors entry per rank.")
         async with self._lora_lock:
             self.lora.check_new(body.lora_name, body.config_dict)
-            tensors = deserialize_named_tensors(body.serialized_named_tensors[0])  # this engine is TP rank 0
-            if body.expected_checksums is not None:
-                check_tensor_checksums(tensors, body.expected_checksums)
-            await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
+            entry = body.serialized_named_tensors[0]  # this engine is TP rank 0
+            with borrowed_named_tensors(entry, self.segments) as (tensors, borrowed):
+                if body.expected_checksums is not None:
+                    check_tensor_checksums(tensors, body.expected_checksums)
+                await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned, borrowed=borrowed)
 
     async def load_lora_from_distributed(self, body: LoadLoRAAdapterFromDistributedReqInput) -> None:
         """Receive the adapter's tensors from rank 0 of the group, then load them; an upsert of a loaded name
@@ -421,8 +424,12 @@ class EmbeddedEngine:
             else:
                 await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
 
-    async def _add_adapter(self, name: str, config: dict, tensors: dict, pinned: bool) -> None:
-        await self.scheduler.call(lambda: self.runner.load_adapter_from_tensors(name, config, tensors))
+    async def _add_adapter(
+        self, name: str, config: dict, tensors: dict, pinned: bool, *, borrowed: bool = False
+    ) -> None:
+        await self.scheduler.call(
+            lambda: self.runner.load_adapter_from_tensors(name, config, tensors, borrowed=borrowed)
+        )
         self.lora.register(LoRARef(name, TENSOR_SOURCE, pinned))
 
     async def unload_lora(self, name: str) -> None:

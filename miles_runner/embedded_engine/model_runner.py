@@ -196,7 +196,11 @@ class ModelRunner:
             raise
         peft.eval()
 
-    def load_adapter_from_tensors(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def load_adapter_from_tensors(
+        self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor], *, borrowed: bool = False
+    ) -> None:
+        """Load `tensors` as adapter `name`. They become its weights unless `borrowed` (views of memory the caller
+        keeps, such as a shared-memory segment): then they are copied."""
         if self._reload_parked(name, config_dict, tensors):
             return
         self._drop_parked()
@@ -204,12 +208,12 @@ class ModelRunner:
 
         peft = self._require_lora()
         # The adapter's weights start on the meta device and the received tensors become them (assign): no random
-        # init of weights about to be overwritten, and no copy (bench/adapter_sync_bandwidth.py). The callers pass
-        # tensors they just decoded or received, which nothing else holds.
+        # init of weights about to be overwritten, and no copy of tensors the caller just decoded or received,
+        # which nothing else holds (bench/adapter_sync_bandwidth.py).
         peft.add_adapter(name, _inference_lora_config(config_dict), low_cpu_mem_usage=True)
         dtype = self.model.dtype  # as a copy into the adapter's own weights would have cast them
         try:
-            owned = {key: tensor.to(dtype) for key, tensor in tensors.items()}
+            owned = {key: tensor.to(dtype, copy=borrowed) for key, tensor in tensors.items()}
             result = set_peft_model_state_dict(peft, owned, adapter_name=name, low_cpu_mem_usage=True)
         except Exception as exc:  # shapes that do not fit the config: the request's fault, a 400
             peft.delete_adapter(name)

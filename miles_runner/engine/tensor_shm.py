@@ -5,16 +5,19 @@ On GPUs, SGLang's tensor routes receive MultiprocessingSerializer bytes, a pickl
 never travel in the request, only handles the engine maps (same node). Here the trainer writes the tensors as a
 safetensors file into a segment of /dev/shm that it owns, and each entry of `serialized_named_tensors` is a handle
 naming that segment. The engine opens it (a name of this module's pattern, directly in /dev/shm, a regular file of
-its own user, not a link), reads it into one buffer of its own in one copy, and answers; the trainer rewrites the
-segment only for its next request. The engine parses the safetensors header itself: safetensors' own loaders map
-the file and return views of the map, which the trainer's next write would change under the engine. Engines on
-other hosts get the tensors inline (tensor_wire.py).
+its own user, not a link), copies the tensors into memory of its own (SegmentReader: the adapter's load copies
+from views of the mapped segment; read_segment: one buffer read from the file) and answers; the trainer rewrites
+the segment only for its next request, so nothing the engine keeps may point into it. The engine parses the
+safetensors header itself, since safetensors' own loaders return views of a map of the file. Engines on other
+hosts get the tensors inline (tensor_wire.py).
 
 Handle entry: base64 of b"miles-shm:" + the segment's name. A safetensors blob starts with its header's length as 8
 little-endian bytes; b"miles-sh" read so is about 7.6e18, which no blob has, so the two kinds never meet.
 
-Speed (bench/adapter_sync_bandwidth.py): the segment is kept and rewritten in place, so its pages stay mapped and
-warm; a sync costs two copies of the bytes (into the segment, out of it in the engine) and no base64 or JSON of them.
+Speed (bench/adapter_sync_bandwidth.py): the trainer rewrites one segment in place and the engine keeps it mapped
+(SegmentReader), so both sides touch warm pages; a sync costs two copies of the bytes (into the segment, out of it
+into the adapter's weights) and no base64 or JSON of them. At r64 (11.7 MB) the adapter's load took 136 ms inline
+and takes 5 to 11 ms this way.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import os
 import re
 import secrets
 import stat
+import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,9 +115,56 @@ class TensorSegment:
 
 
 def read_segment(name: str) -> dict[str, torch.Tensor]:
-    """The tensors of the segment a handle names, read into one buffer of this process (nothing stays mapped: the
-    trainer rewrites the segment for its next push); ValueError when the name is not a segment's, or the segment
-    is missing, not this user's regular file, or not a well-formed safetensors file."""
+    """The tensors of the segment a handle names, read into one buffer of this process (nothing stays mapped);
+    ValueError when the name is not a segment's, or the segment is missing, not this user's regular file, or not a
+    well-formed safetensors file."""
+    fd, status = _open_segment(name)
+    try:
+        data = np.empty(status.st_size, dtype=np.uint8)
+        _read_into(fd, data)
+    finally:
+        os.close(fd)
+    return _checked_tensors(name, torch.from_numpy(data))
+
+
+class SegmentReader:
+    """An engine's reader of the segments handles name, which keeps the last one mapped: the trainer rewrites the
+    same segment for every push, so its pages are mapped once and each read is one copy from warm memory. The
+    views `borrow` yields are valid only inside its block (the next push rewrites them): copy what you keep."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int, int] | None = None  # (device, inode, size) of the mapped file
+        self._map: mmap.mmap | None = None
+
+    @contextlib.contextmanager
+    def borrow(self, name: str) -> Iterator[dict[str, torch.Tensor]]:
+        fd, status = _open_segment(name)
+        try:
+            key = (status.st_dev, status.st_ino, status.st_size)
+            if key != self._key:
+                self.close()
+                self._map = mmap.mmap(fd, status.st_size, prot=mmap.PROT_READ) if status.st_size else None
+                self._key = key
+        finally:
+            os.close(fd)
+        if self._map is None:
+            raise ValueError(f"tensor segment {name} is not a well-formed safetensors file: it is empty")
+        with warnings.catch_warnings():  # a read-only map: the views are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(self._map, dtype=torch.uint8)
+        yield _checked_tensors(name, data)
+
+    def close(self) -> None:
+        """Unmap (on a remap, and at shutdown); a view someone kept holds the map until it is collected."""
+        mapped, self._map, self._key = self._map, None, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+
+def _open_segment(name: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the segment `name` and its status, once it is known to be this user's regular
+    file directly in SHM_DIR (a link is not followed)."""
     if not SEGMENT_NAME.fullmatch(name):
         raise ValueError(f"not a tensor segment name: {name[:80]!r}")
     try:
@@ -123,16 +174,16 @@ def read_segment(name: str) -> dict[str, torch.Tensor]:
             f"tensor segment {name} cannot be opened here ({exc.strerror}): is the engine on the trainer's host, "
             "sharing its /dev/shm?"
         ) from exc
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
-            raise ValueError(f"tensor segment {name} is not a regular file of this user")
-        data = np.empty(status.st_size, dtype=np.uint8)
-        _read_into(fd, data)
-    finally:
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
         os.close(fd)
+        raise ValueError(f"tensor segment {name} is not a regular file of this user")
+    return fd, status
+
+
+def _checked_tensors(name: str, data: torch.Tensor) -> dict[str, torch.Tensor]:
     try:
-        return _tensors_of(torch.from_numpy(data))
+        return _tensors_of(data)
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise ValueError(f"tensor segment {name} is not a well-formed safetensors file: {exc}") from exc
 

@@ -29,15 +29,16 @@ Speed (bench/adapter_sync_bandwidth.py): base64 goes through pybase64 (SIMD; the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import pybase64
 import torch
 from safetensors.torch import load, save
 
-from miles_runner.engine.tensor_shm import handle_segment_name, is_handle, read_segment
+from miles_runner.engine.tensor_shm import SegmentReader, handle_segment_name, is_handle, read_segment
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -64,13 +65,31 @@ def _savable(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 def deserialize_named_tensors(payload: str) -> dict[str, torch.Tensor]:
     """Inverse of :func:`serialize_named_tensors`, or the tensors of the shared-memory segment a handle names
-    (tensor_shm.py); raises ``ValueError`` on a malformed payload."""
+    (tensor_shm.py); tensors of their own either way. Raises ``ValueError`` on a malformed payload."""
+    blob = _decoded(payload)
+    return read_segment(handle_segment_name(blob)) if is_handle(blob) else _loaded(blob)
+
+
+@contextlib.contextmanager
+def borrowed_named_tensors(payload: str, segments: SegmentReader) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+    """(tensors, borrowed) of one entry, valid inside the block: a handle's tensors are views of the segment as
+    `segments` maps it (borrowed: copy what you keep), an inline entry's are tensors of their own."""
+    blob = _decoded(payload)
+    if not is_handle(blob):
+        yield _loaded(blob), False
+        return
+    with segments.borrow(handle_segment_name(blob)) as tensors:
+        yield tensors, True
+
+
+def _decoded(payload: str) -> bytes:
     try:
-        blob = pybase64.b64decode(payload, validate=True)
+        return pybase64.b64decode(payload, validate=True)
     except Exception as exc:  # binascii.Error
         raise ValueError(f"serialized tensors are not a base64 safetensors blob (not base64: {exc})") from exc
-    if is_handle(blob):
-        return read_segment(handle_segment_name(blob))
+
+
+def _loaded(blob: bytes) -> dict[str, torch.Tensor]:
     try:
         return load(blob)
     except Exception as exc:  # safetensors errors: all mean a bad request body

@@ -166,3 +166,39 @@ def test_inline_entries_still_read_as_safetensors():
 )  # fmt: skip
 def test_only_loopback_engines_count_as_on_this_host(url, local):
     assert on_this_host(url) is local
+
+
+def test_a_reader_maps_a_segment_once_and_again_when_it_is_resized(segment):
+    from miles_runner.engine.tensor_shm import SegmentReader
+
+    reader = SegmentReader()
+    try:
+        segment.write({"w": torch.ones(8)}.items())
+        with reader.borrow(segment.name) as tensors:
+            assert torch.equal(tensors["w"], torch.ones(8))
+        mapped = reader._map
+        segment.write({"w": torch.full((8,), 3.0)}.items())  # same size: read through the same map
+        with reader.borrow(segment.name) as tensors:
+            assert torch.equal(tensors["w"], torch.full((8,), 3.0)) and reader._map is mapped
+        segment.write({"w": torch.zeros(16), "b": torch.arange(3)}.items())  # resized: mapped again
+        with reader.borrow(segment.name) as tensors:
+            assert_same(tensors, {"w": torch.zeros(16), "b": torch.arange(3)})
+            assert reader._map is not mapped
+    finally:
+        reader.close()
+
+
+def test_a_reader_refuses_what_read_segment_refuses(tmp_path):
+    from miles_runner.engine.tensor_shm import SegmentReader
+
+    reader = SegmentReader()
+    empty = SHM_DIR / f"miles-tensors-{os.getpid()}-{'d' * 16}"
+    empty.write_bytes(b"")
+    try:
+        for name, why in [("../x", "not a tensor segment name"), (empty.name, "not a well-formed"),
+                          (f"miles-tensors-1-{'e' * 16}", "cannot be opened here")]:  # fmt: skip
+            with pytest.raises(ValueError, match=why), reader.borrow(name):
+                pass
+    finally:
+        empty.unlink()
+        reader.close()

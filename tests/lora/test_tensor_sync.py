@@ -92,6 +92,23 @@ async def test_an_engine_on_this_host_gets_a_handle_and_close_removes_the_segmen
 
 
 @needs_shm
+async def test_the_engines_adapter_is_its_own_copy_not_the_segment(client, colocated_plan, adapters):
+    first, second = adapters
+    fresh = TensorSync([client], colocated_plan, "never_loaded_lora")  # a first load: built, not parked
+    await fresh.push(first.tensors, first.config, version=1)
+    fresh._segment.write(second.tensors.items())  # the next push's bytes, written before any unload
+    await client.load_lora_adapter("disk_first_copy", first.path)
+    try:
+        assert await greedy_logprobs(client, "never_loaded_lora") == pytest.approx(
+            await greedy_logprobs(client, "disk_first_copy"), abs=1e-5
+        )
+    finally:
+        await client.unload_lora_adapter("disk_first_copy")
+        await client.unload_lora_adapter("never_loaded_lora")
+        await fresh.close()
+
+
+@needs_shm
 async def test_an_engine_that_cannot_open_the_segment_gets_the_tensors_inline_from_then_on(client, sync, adapters):
     first, second = adapters
     sync._segment = VanishingSegment()
