@@ -70,8 +70,13 @@ class TensorSync(AdapterSync):
             self._segment.close()
             self._segment = None
 
-    def _write_segment(self, tensors: Mapping[str, Any]) -> list[str]:
+    def _write_segment(self, tensors: Mapping[str, Any]) -> list[str] | None:
+        """The handle entries (one per TP rank: every rank reads the same segment), or None for tensors of a dtype
+        the segment has no name for, which then travel inline."""
         if self._segment is None:
             self._segment = TensorSegment()
-        entry = pybase64.b64encode_as_string(self._segment.write(tensors.items()))
-        return [entry] * self.engine_tp  # every rank reads the same segment, which the engines only read
+        try:
+            handle = self._segment.write(tensors.items())
+        except TypeError:
+            return None
+        return [pybase64.b64encode_as_string(handle)] * self.engine_tp

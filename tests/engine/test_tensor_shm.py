@@ -202,3 +202,11 @@ def test_a_reader_refuses_what_read_segment_refuses(tmp_path):
     finally:
         empty.unlink()
         reader.close()
+
+
+def test_a_dtype_without_a_safetensors_name_is_refused_before_anything_is_written(segment):
+    kept = {"w": torch.ones(4)}
+    segment.write(kept.items())
+    with pytest.raises(TypeError, match="send these tensors inline"):
+        segment.write({"w": torch.ones(4), "z": torch.ones(2, dtype=torch.complex64)}.items())
+    assert_same(read_segment(segment.name), kept)
