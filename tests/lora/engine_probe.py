@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from miles_runner.engine.client import EngineClient
 
@@ -19,6 +20,17 @@ async def greedy_logprobs(client: EngineClient, adapter: str | None) -> list[flo
         }
     )
     return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+async def disk_logprobs(client: EngineClient, adapter_path: Path) -> list[float]:
+    """greedy_logprobs of the adapter saved at `adapter_path`, loaded from disk for the call under a name of its own:
+    what a synced adapter must serve."""
+    name = f"disk_{adapter_path.name}"
+    await client.load_lora_adapter(name, adapter_path)
+    try:
+        return await greedy_logprobs(client, name)
+    finally:
+        await client.unload_lora_adapter(name)
 
 
 async def is_paused(client: EngineClient) -> bool:

@@ -10,7 +10,7 @@ from miles_runner.engine.tensor_shm import TensorSegment
 from miles_runner.lora.sync import make_sync
 from miles_runner.lora.tensor_sync import TensorSync
 
-from .engine_probe import greedy_logprobs, is_paused, served_adapters, start_long_request
+from .engine_probe import disk_logprobs, greedy_logprobs, is_paused, served_adapters, start_long_request
 
 
 @pytest.fixture()
@@ -32,13 +32,9 @@ async def test_push_serves_the_adapter_bumps_the_version_and_leaves_the_engine_r
     assert "tensor_lora" in await served_adapters(client)
     assert await client.weight_version() == "3"
     assert not await is_paused(client)
-    await client.load_lora_adapter("disk_first", first.path)
-    try:
-        assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
-            await greedy_logprobs(client, "disk_first"), abs=1e-5
-        )
-    finally:
-        await client.unload_lora_adapter("disk_first")
+    assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+        await disk_logprobs(client, first.path), abs=1e-5
+    )
 
 
 async def test_push_pauses_running_requests_and_continues_them(client, sync, adapters):
@@ -58,13 +54,9 @@ async def test_second_push_unloads_and_reloads_with_the_new_tensors(client, sync
     before = await greedy_logprobs(client, "tensor_lora")
     await sync.push(second.tensors, second.config, version=2)
     assert (await served_adapters(client)).count("tensor_lora") == 1
-    await client.load_lora_adapter("disk_second", second.path)
-    try:
-        after = await greedy_logprobs(client, "tensor_lora")
-        assert after != pytest.approx(before, abs=1e-5)
-        assert after == pytest.approx(await greedy_logprobs(client, "disk_second"), abs=1e-5)
-    finally:
-        await client.unload_lora_adapter("disk_second")
+    after = await greedy_logprobs(client, "tensor_lora")
+    assert after != pytest.approx(before, abs=1e-5)
+    assert after == pytest.approx(await disk_logprobs(client, second.path), abs=1e-5)
     assert await client.weight_version() == "2"
 
 
@@ -97,13 +89,11 @@ async def test_the_engines_adapter_is_its_own_copy_not_the_segment(client, coloc
     fresh = TensorSync([client], colocated_plan, "never_loaded_lora")  # a first load: built, not parked
     await fresh.push(first.tensors, first.config, version=1)
     fresh._segment.write(second.tensors.items())  # the next push's bytes, written before any unload
-    await client.load_lora_adapter("disk_first_copy", first.path)
     try:
         assert await greedy_logprobs(client, "never_loaded_lora") == pytest.approx(
-            await greedy_logprobs(client, "disk_first_copy"), abs=1e-5
+            await disk_logprobs(client, first.path), abs=1e-5
         )
     finally:
-        await client.unload_lora_adapter("disk_first_copy")
         await client.unload_lora_adapter("never_loaded_lora")
         await fresh.close()
 
@@ -115,13 +105,11 @@ async def test_an_engine_that_cannot_open_the_segment_gets_the_tensors_inline_fr
     await sync.push(first.tensors, first.config, version=1)
     assert client.base_url not in sync._by_handle
     await sync.push(second.tensors, second.config, version=2)  # inline, without asking the engine again
-    await client.load_lora_adapter("disk_second_inline", second.path)
     try:
         assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
-            await greedy_logprobs(client, "disk_second_inline"), abs=1e-5
+            await disk_logprobs(client, second.path), abs=1e-5
         )
     finally:
-        await client.unload_lora_adapter("disk_second_inline")
         await sync.close()
 
 
