@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 AGENT_CALL_TIMEOUT_S = 60.0  # a node agent answers its bookkeeping calls at once; longer means it is gone
 STOP_TIMEOUT_S = 20.0  # within Slurm's KillWait (30 s in scripts/slurm_local.sh), with room for the driver's exit
+# Removing a placement group blocks for good once the GCS is gone; the GCS removes a job's groups when its driver
+# leaves anyway, so the explicit removal (for a driver that goes on, such as a test process) gets a short bound.
+GROUP_REMOVAL_TIMEOUT_S = 5.0
 
 
 class ClusterNodesError(ComponentFailure):
@@ -379,16 +382,18 @@ class RayExecutor(Executor):
         the agents' children die with them anyway (PR_SET_PDEATHSIG); the run must not outlast Slurm's KillWait."""
         import ray
 
-        if not run_bounded(self._release, STOP_TIMEOUT_S):
+        if not run_bounded(self._stop_agents, STOP_TIMEOUT_S):
             logger.warning("Ray did not answer within %.0f s while stopping: its cluster is gone", STOP_TIMEOUT_S)
+        if not run_bounded(self._remove_groups, GROUP_REMOVAL_TIMEOUT_S):
+            logger.warning("Ray's GCS did not remove the placement groups within %.0f s: it is gone",
+                           GROUP_REMOVAL_TIMEOUT_S)
         self.agents, self.groups = [], []
         if self.owns_ray:
             ray.shutdown()
             self.owns_ray = False
 
-    def _release(self) -> None:
+    def _stop_agents(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         stops = [agent.actor.stop.remote() for agent in self.agents]
         for agent, ref in zip(self.agents, stops, strict=True):
@@ -397,6 +402,10 @@ class RayExecutor(Executor):
             except Exception as error:  # a lost agent took its processes with it: go on
                 logger.warning("node agent %d did not stop cleanly: %s", agent.node, error)
             ray.kill(agent.actor)
+
+    def _remove_groups(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for group in self.groups:
             remove_placement_group(group)
 

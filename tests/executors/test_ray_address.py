@@ -5,6 +5,7 @@ and leaves it running after the run. A cluster that does not say which node is p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -84,3 +85,27 @@ def test_a_cluster_with_no_node_offering_miles_node_0_is_refused_before_anything
         RayExecutor(plan, tmp_path).start()
     assert not ray.is_initialized()
     assert not (tmp_path / "logs").exists(), "something was started"
+
+
+@pytest.mark.timeout(120)
+def test_stopping_after_the_cluster_went_does_not_wait_on_its_gcs(tmp_path, ray_head, caplog):
+    """Slurm's SIGTERM takes the job's Ray with the run: removing a placement group then blocks for good, and the
+    driver's whole teardown must fit in Slurm's KillWait. The removal gets its own short bound, so the stop does not
+    spend the bound of the agents' stop on it."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    address, head = ray_head
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
+                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    executor = RayExecutor(plan, tmp_path)
+    executor._init_ray()
+    group = placement_group([{MARKER: 0.5}])
+    ray.get(group.ready(), timeout=60)
+    executor.groups = [group]
+    head.stop()  # the whole cluster goes, as under Slurm's SIGTERM
+    with caplog.at_level(logging.WARNING, logger="miles_runner.executors.ray"):
+        executor.stop()
+    assert "did not remove the placement groups within" in caplog.text
+    assert "did not answer within" not in caplog.text, "the stop waited out the agents' bound on the gone GCS"
+    assert not ray.is_initialized()
