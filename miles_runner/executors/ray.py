@@ -385,8 +385,9 @@ class RayExecutor(Executor):
         if not run_bounded(self._stop_agents, STOP_TIMEOUT_S):
             logger.warning("Ray did not answer within %.0f s while stopping: its cluster is gone", STOP_TIMEOUT_S)
         if not run_bounded(self._remove_groups, GROUP_REMOVAL_TIMEOUT_S):
-            logger.warning("Ray's GCS did not remove the placement groups within %.0f s: it is gone",
-                           GROUP_REMOVAL_TIMEOUT_S)
+            logger.warning(
+                "Ray's GCS did not remove the placement groups within %.0f s: it is gone", GROUP_REMOVAL_TIMEOUT_S
+            )
         self.agents, self.groups = [], []
         if self.owns_ray:
             ray.shutdown()

@@ -21,6 +21,7 @@ from miles_runner.config.compose import compose
 from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.executors.ray import ClusterNodesError, RayExecutor
 from miles_runner.plan.compile import compile_plan
+from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import free_port, port_is_free
 from miles_runner.procs.process import ManagedProcess
 
@@ -58,13 +59,18 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def plan_on(address: str) -> Plan:
+    """The tiny recipe, without session server, on the Ray cluster at `address`."""
+    return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
+                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_the_ray_executor_runs_the_plan_on_the_cluster_at_ray_address_and_leaves_it_up(tmp_path, ray_head):
     import ray
 
     address, head = ray_head
-    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
-                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    plan = plan_on(address)
     with RayExecutor(plan, tmp_path, startup_timeout_s=180) as deployment:
         assert ray.cluster_resources().get(MARKER) == 1, "the executor is not on the cluster at ray_address"
         assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
@@ -79,8 +85,7 @@ def test_a_cluster_with_no_node_offering_miles_node_0_is_refused_before_anything
     import ray
 
     address, _ = ray_head
-    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
-                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    plan = plan_on(address)
     with pytest.raises(ClusterNodesError, match="node 0 \\(miles_node_0\\)"):
         RayExecutor(plan, tmp_path).start()
     assert not ray.is_initialized()
@@ -96,8 +101,7 @@ def test_stopping_after_the_cluster_went_does_not_wait_on_its_gcs(tmp_path, ray_
     from ray.util.placement_group import placement_group
 
     address, head = ray_head
-    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
-                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    plan = plan_on(address)
     executor = RayExecutor(plan, tmp_path)
     executor._init_ray()
     group = placement_group([{MARKER: 0.5}])
