@@ -2,11 +2,15 @@
 the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folder."""
 
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.compiled import MEMO_ENV
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -32,6 +36,22 @@ SERVER_FIXTURES = frozenset({
     "engine", "plain_engine", "contract_engine_url", "lora_engine", "engine_url_for_sync", "engine_url",
     "start_session_server", "slurm_cluster",
 })  # fmt: skip
+
+
+MEMO_FOLDER = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The xdist controller makes the run's folder of composed configs (tests/compiled.py) before its workers start,
+    # which inherit the variable; a single process keeps its memo to itself.
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        os.environ[MEMO_ENV] = config.stash[MEMO_FOLDER] = tempfile.mkdtemp(prefix="miles-compose-memo-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if folder := config.stash.get(MEMO_FOLDER, None):
+        os.environ.pop(MEMO_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

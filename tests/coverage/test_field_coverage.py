@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.config.compose import compose
 from miles_runner.config.schema import AdapterEntry, MilesConfig
 from miles_runner.core.errors import PlanError
-from miles_runner.plan.compile import compile_plan
+from tests.compiled import compile_overrides
 from tests.coverage.evidence import Refused, Runs
 from tests.coverage.fields import FIELDS
 
@@ -64,13 +63,12 @@ def test_a_field_the_runtime_acts_on_names_existing_behaviour_tests(path, eviden
         assert name.split("[")[0] in functions_in(test_file), f"{path}: {node_id} does not exist"
 
 
-@cache
 def rules_raised(overrides: tuple[str, ...]) -> dict[str, str]:
-    """rule id -> the settings it names, for the problems these overrides raise."""
-    try:
-        compile_plan(compose(list(overrides)))
-    except PlanError as error:
-        return {p.rule: " ".join(setting for setting, _ in p.settings) for p in error.problems}
+    """rule id -> the settings it names, for the problems these overrides raise (memoised with the rule tables'
+    outcomes, which compose the same configs: tests/compiled.py)."""
+    result = compile_overrides(overrides)
+    if isinstance(result, PlanError):
+        return {p.rule: " ".join(setting for setting, _ in p.settings) for p in result.problems}
     return {}
 
 

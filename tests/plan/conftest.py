@@ -1,61 +1,25 @@
-"""Compiling override lists through the public path (Hydra compose -> compile_plan), cached per test session.
+"""Compiling override lists through the public path (Hydra compose -> compile_plan), cached per test session
+(tests/compiled.py).
 
 `outcome` and `problems` are what `miles-run` gets (compile_plan: every rule). `plan` is the design
 (compile_design: the NOT_BUILT refusals left out), so the spec's rules can be checked on GPU recipes whose
 trainer this release has not built yet.
-
-Each compose costs ~0.1 s and the rule tables reuse the same configs (a bad config, then bad + its fix), so
-outcomes are memoised. Hydra applies overrides in order and the last one for a key wins, so an earlier
-override of the same key is dropped first: `base + bad + fix` then shares its entry with `base + good`.
 """
 
 from collections.abc import Callable, Sequence
-from functools import cache
 
 import pytest
 
-from miles_runner.config.compose import ComposedConfig, compose
+from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.errors import PlanError, Problem
-from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.plan.model import Plan
-
-
-@cache
-def _composed(overrides: tuple[str, ...]) -> ComposedConfig | PlanError:
-    try:
-        return compose(list(overrides))
-    except PlanError as exc:
-        return exc
-
-
-@cache
-def _outcome(overrides: tuple[str, ...], design: bool = False) -> Plan | PlanError:
-    # One compose serves both compilations (the rule tables ask for `base + good` as a design and, through a
-    # pasted fix, often as a plan); compiling leaves the composed config as it was (plan_or_design does the same).
-    composed = _composed(overrides)
-    if isinstance(composed, PlanError):
-        return composed
-    try:
-        return (compile_design if design else compile_plan)(composed)
-    except PlanError as exc:
-        return exc
-
-
-def last_per_key(overrides: Sequence[str]) -> tuple[str, ...]:
-    """The overrides with every one that a later override of the same key replaces left out, order kept."""
-    keys = [o.partition("=")[0].lstrip("+~") for o in overrides]
-    return tuple(o for i, o in enumerate(overrides) if keys[i] not in keys[i + 1 :])
-
-
-def compile_overrides(overrides: Sequence[str], *, design: bool = False) -> Plan | PlanError:
-    """The Plan, or the PlanError, for these overrides (any other exception propagates: it is a bug)."""
-    return _outcome(last_per_key(overrides), design)
+from tests.compiled import compile_overrides, composed_or_error
 
 
 @pytest.fixture(scope="session")
 def composed() -> Callable[[tuple[str, ...]], ComposedConfig | PlanError]:
     """The composed config of these overrides, or the PlanError composing them raised (memoised)."""
-    return _composed
+    return composed_or_error
 
 
 @pytest.fixture(scope="session")
