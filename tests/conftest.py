@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.compiled import MEMO_ENV
-
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,13 +41,18 @@ MEMO_FOLDER = pytest.StashKey[str]()
 
 def pytest_configure(config: pytest.Config) -> None:
     # The xdist controller makes the run's folder of composed configs (tests/compiled.py) before its workers start,
-    # which inherit the variable; a single process keeps its memo to itself.
+    # which inherit the variable; a single process keeps its memo to itself. Imported here: the Megatron-Bridge
+    # side venv (make bridge-test) has no Hydra, and runs in one process.
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        from tests.compiled import MEMO_ENV
+
         os.environ[MEMO_ENV] = config.stash[MEMO_FOLDER] = tempfile.mkdtemp(prefix="miles-compose-memo-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if folder := config.stash.get(MEMO_FOLDER, None):
+        from tests.compiled import MEMO_ENV
+
         os.environ.pop(MEMO_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)
 
