@@ -1,24 +1,60 @@
-"""Free loopback ports for the servers the runner starts."""
+"""Free loopback ports for the servers the runner starts.
 
+A port is picked now and bound later, sometimes minutes later (a Slurm job's plan fixes its ports at submission).
+Ports the kernel hands out itself (bind to port 0) come from its ephemeral range, which is also where every outgoing
+connection gets its local port: a client of any process on the host could hold the picked port by the time the
+server binds it ("address already in use"). So ports are picked at random below that range, where only listeners
+live, and one process never hands out the same port twice.
+"""
+
+import random
 import socket
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+LISTEN_PORTS_FROM = 15000  # the lowest port picked (well above the registered services of most hosts)
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+ATTEMPTS = 200
+
+_pick = random.SystemRandom()  # not the `random` module's generator: runs seed it, so two runs would pick alike
+_handed_out: set[tuple[str, int]] = set()
+
+
+def listen_port_range() -> range:
+    """The ports picked from: below the kernel's ephemeral range, or none where that leaves too few."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    return range(LISTEN_PORTS_FROM, max(LISTEN_PORTS_FROM, ephemeral_low))
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that is free on `host` right now (the OS picks it; bind it soon, another process may)."""
+    """A TCP port that is free on `host` right now and that this process has not handed out before."""
+    return free_port_block(1, host)
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct free ports."""
+    return [free_port(host) for _ in range(count)]
+
+
+def free_port_block(count: int, host: str = LOOPBACK, attempts: int = ATTEMPTS) -> int:
+    """A base port B with B .. B+count-1 all free right now (engines take consecutive ports from a base)."""
+    candidates = listen_port_range()
+    for _ in range(attempts):
+        base = _pick.choice(candidates) if len(candidates) > count else _kernel_port(host)
+        block = [(host, base + i) for i in range(count)]
+        if base + count <= 65536 and not _handed_out.intersection(block) and all(port_is_free(*p) for p in block):
+            _handed_out.update(block)
+            return base
+    raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")
+
+
+def _kernel_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def free_port_block(count: int, host: str = LOOPBACK, attempts: int = 50) -> int:
-    """A base port B with B .. B+count-1 all free right now (engines take consecutive ports from a base)."""
-    for _ in range(attempts):
-        base = free_port(host)
-        if base + count <= 65536 and all(port_is_free(host, base + i) for i in range(1, count)):
-            return base
-    raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")
 
 
 def port_is_free(host: str, port: int) -> bool:
