@@ -108,8 +108,10 @@ class SingleAdapterLoop:
     def _trainer_builds_early(self) -> bool:
         """A CPU plan's one trainer rank loads while the engines start: both are mostly imports and a model load, each
         on a core of its own (bench/single_turn_step.py's start-up figures). Ranks in other processes need the
-        deployment, and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself."""
-        return self.plan.cluster.cpu_only and self.plan.trainer.parallel.world_size <= 1
+        deployment, and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself. A model not on
+        disk yet (a tiny model's first run) is built by the executor as the engines start: the trainer waits for it."""
+        return (self.plan.cluster.cpu_only and self.plan.trainer.parallel.world_size <= 1
+                and Path(self.plan.model_path).is_dir())
 
     def _make_trainer(self, remote_ranks: Any):
         trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents

@@ -43,8 +43,8 @@ class Install:
     work: Path  # an empty folder: the user's working directory
     env: dict[str, str]
 
-    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(self.venv / "bin" / "miles-run"), *args], cwd=self.work, env=self.env,
+    def run(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.venv / "bin" / "miles-run"), *args], cwd=self.work, env={**self.env, **env},
                               capture_output=True, text=True, timeout=timeout)
         assert done.returncode == 0, f"miles-run {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
@@ -142,13 +142,17 @@ def test_a_user_recipe_in_its_own_folder_composes(install, tmp_path):
     assert plan["name"] == "users_own"
 
 
-def test_a_short_real_run_trains_and_records(install):
+def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records(install, tmp_path):
+    # An empty model cache, as on a fresh machine: the run builds the recipe's tiny model before anything loads it.
+    cache = tmp_path / "cache"
     port = free_port_block(2)
     install.run("+recipe=tiny_lora_agentic", "algorithm.num_steps=1", "rollout.rollout_batch_size=2",
                 "rollout.n_samples_per_prompt=2", "checkpoint.interval=0", "logger=none",
-                f"engine.base_port={port}", f"session.port={port + 1}", "hydra.run.dir=first_run", timeout=300)
+                f"engine.base_port={port}", f"session.port={port + 1}", "hydra.run.dir=first_run", timeout=300,
+                MILES_CACHE_DIR=str(cache))  # fmt: skip
     run_dir = install.work / "first_run"
     assert (run_dir / "plan.yaml").is_file()
+    assert yaml.safe_load((run_dir / "plan.yaml").read_text())["model_path"].startswith(str(cache))
     assert [yaml.safe_load(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0]
 
 
