@@ -12,7 +12,9 @@ import socket
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
-LISTEN_PORTS_FROM = 15000  # the lowest port picked (well above the registered services of most hosts)
+# The lowest port picked: above Ray's default worker ports (10002-19999, which Ray refuses to see any of its own
+# components on: a GCS port picked there fails `ray start`) and the registered services of most hosts.
+LISTEN_PORTS_FROM = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 ATTEMPTS = 200
 

@@ -22,6 +22,14 @@ def test_picked_ports_lie_below_the_kernels_ephemeral_range_where_clients_get_th
     assert all(port in listen_port_range() for port in picked)
 
 
+def test_picked_ports_lie_outside_rays_default_worker_ports_which_ray_refuses_its_own_ports_in():
+    from ray.scripts.scripts import start  # `ray start`'s own defaults, as the job script and the tests start Ray
+
+    defaults = {param.name: param.default for param in start.params}
+    workers = range(defaults["min_worker_port"], defaults["max_worker_port"] + 1)
+    assert not set(listen_port_range()) & set(workers)
+
+
 def test_one_process_never_hands_out_the_same_port_twice():
     picked = [free_port() for _ in range(300)]
     base = free_port_block(4)
