@@ -27,7 +27,6 @@ from typing import Any
 
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.engine.router import ensure_worker, wait_for_workers
-from miles_runner.models.format_pretrain import ensure_format_pretrained
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
 from miles_runner.plan.model import EnginePlan, Launch, Plan, engine_rank_name, plan_on_nodes, server_launches
@@ -122,6 +121,10 @@ class LocalExecutor(Executor):
         """Build the tiny model the plan names, if that is what it names and it is not cached yet: in the cache
         folder the plan was compiled with (a resumed run may have another MILES_CACHE_DIR now)."""
         if tiny := parse_tiny_model(self.plan.model.path):
+            # Imported here: format pre-training needs torch, which a node agent (a Ray actor that only starts
+            # processes) otherwise never loads.
+            from miles_runner.models.format_pretrain import ensure_format_pretrained
+
             name, pretrained = tiny
             cache = Path(self.plan.model_path).parent
             if pretrained:
