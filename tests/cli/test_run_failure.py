@@ -13,6 +13,7 @@ import pytest
 
 from miles_runner.procs.ports import free_port_block, port_is_free
 from miles_runner.tracking.job_result import FAILED, INTERRUPTED, read_records, read_result
+from tests.run_files import files_named
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +102,7 @@ def wait_for_first_step(proc: subprocess.Popen, output_root: Path, engine_port: 
     """The pid of the engine on `engine_port`, once the run has recorded a step."""
     deadline = time.monotonic() + 300
     while (pid := engine_pid(engine_port)) is None or not any(read_records(m.parent)
-                                                               for m in output_root.rglob("metrics.jsonl")):
+                                                               for m in files_named(output_root, "metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     return pid

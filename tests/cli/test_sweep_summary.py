@@ -24,6 +24,7 @@ from miles_runner.cli.sweep_summary import (
 )
 from miles_runner.procs.ports import free_port_block
 from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, read_records, write_result
+from tests.run_files import files_named
 
 pytestmark = pytest.mark.integration
 
@@ -171,7 +172,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_still_summarises_it(tmp_path):
          f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none", "optimizer.lr=0.1,0.2"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 300
-    while not any(read_records(m.parent) for m in (tmp_path / "out").rglob("metrics.jsonl")):
+    while not any(read_records(m.parent) for m in files_named(tmp_path / "out", "metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)

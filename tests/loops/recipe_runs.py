@@ -10,6 +10,7 @@ from pathlib import Path
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.run_files import files_named
 
 WINDOW = 10
 MARGIN = 0.06
@@ -48,7 +49,7 @@ def recorded_run(root: Path, base: Sequence[str], *overrides: str) -> Path:
 
 def records(root: Path) -> list[dict]:
     """The metrics records of the one run under `root` (none yet: [])."""
-    found = list(root.rglob("metrics.jsonl"))
+    found = files_named(root, "metrics.jsonl")  # the run may be writing a checkpoint
     return [json.loads(line) for line in found[0].read_text().splitlines()] if found else []
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.run_files import files_named
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ def test_sigkill_mid_run_resumes_with_no_step_lost_or_repeated(tmp_path):
     deadline = time.monotonic() + 400
     run_dir = None
     while time.monotonic() < deadline:
-        plans = list(outputs.rglob("plan.yaml"))
+        plans = files_named(outputs, "plan.yaml")  # the run is writing checkpoints
         run_dir = plans[0].parent if plans else None
         if run_dir and len(records(run_dir)) >= 2:
             break
