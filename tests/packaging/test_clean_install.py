@@ -143,10 +143,13 @@ def test_a_user_recipe_in_its_own_folder_composes(install, tmp_path):
 
 
 def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records(install, tmp_path):
-    # An empty model cache, as on a fresh machine: the run builds the recipe's tiny model before anything loads it.
+    # An empty model cache, as on a fresh machine: the run builds its tiny model before anything loads it. The plain
+    # tiny-moe, not the recipe's format pre-trained one: the same build path (ensure_format_pretrained builds it
+    # first), without 150 pre-training steps.
     cache = tmp_path / "cache"
     port = free_port_block(2)
-    install.run("+recipe=tiny_lora_agentic", "algorithm.num_steps=1", "rollout.rollout_batch_size=2",
+    install.run("+recipe=tiny_lora_agentic", "model.path=tiny:tiny-moe", "algorithm.num_steps=1",
+                "rollout.rollout_batch_size=2",
                 "rollout.n_samples_per_prompt=2", "checkpoint.interval=0", "logger=none",
                 f"engine.base_port={port}", f"session.port={port + 1}", "hydra.run.dir=first_run", timeout=300,
                 MILES_CACHE_DIR=str(cache))  # fmt: skip
