@@ -7,6 +7,7 @@ server binds it ("address already in use"). So ports are picked at random below 
 live, and one process never hands out the same port twice.
 """
 
+import functools
 import random
 import socket
 from pathlib import Path
@@ -22,6 +23,7 @@ _pick = random.SystemRandom()  # not the `random` module's generator: runs seed 
 _handed_out: set[tuple[str, int]] = set()
 
 
+@functools.cache  # read once per process: the kernel's range is a host setting
 def listen_port_range() -> range:
     """The ports picked from: below the kernel's ephemeral range, or none where that leaves too few."""
     try:

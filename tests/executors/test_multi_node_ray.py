@@ -35,6 +35,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Launch, Plan, server_launches
 from miles_runner.plan.record import write_run_record
 from miles_runner.procs.ports import free_port, free_port_block, port_is_free
+from miles_runner.procs.ports import free_ports as distinct_ports
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +68,7 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     cluster = Cluster()
-    # Distinct ports, one block: separate free_port() calls can return the same port, which Ray refuses.
-    ports = iter(range(free_port_block(3 * nodes + 1), 65536))
+    ports = iter(distinct_ports(3 * nodes + 1))  # distinct: Ray refuses a port given to two of its components
     try:
         for k in range(nodes):
             node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "resources": {node_resource(k): 1000},
