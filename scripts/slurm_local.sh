@@ -7,7 +7,9 @@
 set -euo pipefail
 SLURM_BASE=${SLURM_BASE:-/tmp/slurm-local}
 NODE=$(hostname -s)
-CPUS=$(nproc)
+# nproc honours OMP_NUM_THREADS (the tests set it to 1): a node of 1 CPU leaves every 2-CPU job pending
+# (PartitionConfig) for good. The cores this process may run on, whatever OpenMP is told.
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 MEM_MB=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 2048 ))
 
 wait_for() {  # wait_for <seconds> <cmd...>

@@ -15,6 +15,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MILES_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+# One intra-op thread in every test process (read by torch when it first computes; children inherit it), as the
+# engine and the trainer ranks already use: with two, each op waits at an OpenMP barrier for the core the other
+# worker holds. The in-process GRPO proof took 94 s with two threads and 30 s with one beside a busy core.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Under pytest-xdist each worker's Ray clusters keep their session files (and `ray_current_cluster`, which
 # `address="auto"` reads) in a folder of their own, so that one worker's run never finds another's cluster.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -87,6 +87,14 @@ def leftover_processes(job_id: str) -> list[str]:
     return found
 
 
+def test_the_local_node_offers_every_core_whatever_openmp_is_told(slurm_cluster):
+    # The suite runs with OMP_NUM_THREADS=1 (tests/conftest.py), which `nproc` honours: a node configured from it
+    # had 1 CPU, and every job of cpus_per_task=2 stayed pending (PartitionConfig) until its test timed out.
+    assert os.environ.get("OMP_NUM_THREADS") == "1"
+    node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, check=True).stdout
+    assert f"CPUTot={len(os.sched_getaffinity(0))} " in node, node
+
+
 def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(slurm_cluster, tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.Popen([MILES_RUN, "-m", *TINY, *LAUNCHER, *ports(), "algorithm.num_steps=3", "run.seed=1,2",
