@@ -6,7 +6,8 @@ Nothing is lost on the way: the trainer refuses a sample whose routing rows are 
 (trainer/routing_replay.py) or whose logprobs do not cover its response, so a completed run means every sample
 carried all of them; and the trainer's own logprobs, computed with the replayed routing, matching the engines'
 to 1e-3 on every step means tokens, logprobs and routing rows line up. The session-level lengths are compared
-directly in test_behind_router.py.
+directly in test_behind_router.py. This is also the proof that R3-replayed training learns for the single-engine
+twin `tiny_r3_session` (same settings; tests/trainer/test_r3_recipe.py runs it short).
 """
 
 import json
