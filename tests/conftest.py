@@ -71,6 +71,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+PROCESS_MARKERS = ("integration", "slow", "slurm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The runner's Python components that the tests start (engines, session servers, trainer ranks, ...) fork
+    from one warm start server per test process (miles_runner/procs/warm.py), which has imported torch,
+    transformers and the rest once: an engine is healthy in well under a second instead of after ~4 s of CPU.
+    Only where a selected test starts processes; MILES_WARM_START=off (or set to an empty value) starts every
+    component cold, as a plain run does. Its log (each child it forked, and why any started cold) is kept in
+    pytest's base temporary folder."""
+    setting = os.environ.get("MILES_WARM_START")
+    wanted = any(item.get_closest_marker(m) for item in request.session.items for m in PROCESS_MARKERS)
+    if setting is not None or not wanted:
+        if setting == "off":
+            os.environ["MILES_WARM_START"] = ""
+        yield
+        return
+    from miles_runner.procs.process import start_warm_server
+
+    folder = Path(tempfile.mkdtemp(prefix="miles-warm-"))  # short: a Unix socket's path has at most 107 bytes
+    log_path = tmp_path_factory.getbasetemp() / f"warm-start-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
+    server = start_warm_server(folder / "warm.sock", log_path)
+    os.environ["MILES_WARM_START"] = str(folder / "warm.sock")
+    try:
+        yield
+    finally:
+        os.environ.pop("MILES_WARM_START", None)
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     """monkeypatch for a module-scoped fixture (e.g. a server started with a variable set for its whole module)."""

@@ -42,6 +42,7 @@ from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict, 
 from miles_runner.plan.secrets import key_environment, run_api_key
 from miles_runner.procs.ports import LOOPBACK
 from miles_runner.procs.process import ManagedProcess
+from miles_runner.procs.warm import WARM_START_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class NodeAgentBody:
     """What the Ray actor of one plan node does; a plain class so it reads (and tests) without Ray."""
 
     def __init__(self, plan_dict: dict[str, Any], run_dir: str, node: int, startup_timeout_s: float | None):
+        # A node's processes are started here, on its node, as children of this agent: never forked by a warm start
+        # server the driver's environment names (procs/warm.py), which lives on the driver's host.
+        os.environ.pop(WARM_START_ENV, None)
         self.plan, self.run_dir, self.node = plan_from_dict(plan_dict), Path(run_dir), node
         self.startup_timeout_s = startup_timeout_s
         self.executor: LocalExecutor | None = None

@@ -23,6 +23,7 @@ import httpx
 
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.plan.secrets import fill_secrets
+from miles_runner.procs.warm import WARM_START_ENV, WarmChild, server_argv, wait_ready, warm_start
 
 LOG_TAIL_LINES = 40
 _POLL_S = 0.2
@@ -66,7 +67,7 @@ class ManagedProcess:
         self.health_url = health_url
         self.startup_timeout_s = startup_timeout_s
         self.health_timeout_s = health_timeout_s
-        self._popen: subprocess.Popen[bytes] | None = None
+        self._popen: subprocess.Popen[bytes] | WarmChild | None = None
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, alive={self.alive})"
@@ -92,7 +93,8 @@ class ManagedProcess:
         with self.log_path.open("ab") as log:
             log.write(f"# {self.name}: {shlex.join(self.argv)}\n".encode())
             log.flush()
-            self._popen = subprocess.Popen(
+            # Forked by the warm start server when the environment names one and it can (procs/warm.py).
+            self._popen = warm_start(argv, env, self.cwd, self.log_path) or subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -166,6 +168,20 @@ class ManagedProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def start_warm_server(socket_path: Path, log_path: Path, *options: str) -> ManagedProcess:
+    """The warm start server (procs/warm.py; `options`: its --preload, --modules) on `socket_path`, ready; put
+    `MILES_WARM_START=<socket_path>` in the environment of the processes it should start. Stop it as any
+    ManagedProcess."""
+    argv = server_argv(socket_path, *options)
+    server = ManagedProcess("warm-start", argv, env={WARM_START_ENV: ""}, log_path=log_path)
+    server.start()
+    try:
+        wait_ready(socket_path, alive=lambda: server.alive)
+    except RuntimeError as error:
+        raise server.start_failed(str(error)) from error
+    return server
 
 
 class ProcessGroup:

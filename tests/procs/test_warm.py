@@ -1,0 +1,170 @@
+"""Warm starts (miles_runner/procs/warm.py): a child forked by the warm start server sees what a cold start of the
+same command sees, reports its end as Popen does, dies with its requester or the server, and whatever the server
+cannot match starts cold. The probe module (warm_probe.py) writes what it sees; a server of this module's own
+forks it (--modules), with numpy preloaded as the real server preloads torch and the rest."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from miles_runner.procs.process import ManagedProcess, start_warm_server
+from miles_runner.procs.warm import WARM_START_ENV, WarmChild
+
+pytestmark = pytest.mark.integration
+
+PROBE = "tests.procs.warm_probe"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server_socket() -> str:
+    folder = Path(tempfile.mkdtemp(prefix="warm-"))  # short: a Unix socket's path has at most 107 bytes
+    server = start_warm_server(folder / "warm.sock", folder / "warm.log", "--preload", "numpy", "--modules", PROBE)
+    yield str(folder / "warm.sock")
+    server.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def probe(tmp_path: Path, name: str, code: str, warm_socket: str, **env: str) -> ManagedProcess:
+    out = tmp_path / f"{name}.json"
+    argv = [sys.executable, "-m", PROBE, str(out), code]
+    return ManagedProcess(name, argv, env={WARM_START_ENV: warm_socket, **env}, cwd=REPO,
+                          log_path=tmp_path / f"{name}.log")  # fmt: skip
+
+
+def seen(tmp_path: Path, name: str) -> dict:
+    deadline = time.monotonic() + 60
+    while not (path := tmp_path / f"{name}.json").exists() or not path.read_text().endswith("}"):
+        assert time.monotonic() < deadline, f"{name} wrote nothing"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def gone(pid: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_warm_child_sees_what_a_cold_start_of_its_command_sees(tmp_path, server_socket):
+    cold, warm, warm2 = (probe(tmp_path, name, "3", sock) for name, sock in
+                         [("cold", ""), ("warm", server_socket), ("warm2", server_socket)])  # fmt: skip
+    for process in (cold, warm, warm2):
+        process.start()
+        assert process._popen.wait(60) == 3
+    assert isinstance(warm._popen, WarmChild) and isinstance(warm2._popen, WarmChild)
+    assert not isinstance(cold._popen, WarmChild)
+    views = {name: seen(tmp_path, name) for name in ("cold", "warm", "warm2")}
+    draws = {view.pop("numpy_draw") for view in views.values()}
+    assert len(draws) == 3  # numpy is reseeded in each child, as its import seeds a cold process
+    for view in views.values():  # only the variable that told ManagedProcess where to start it differs
+        view["env"].pop(WARM_START_ENV)
+        view["argv"][1] = view["orig_argv"][3] = view["cmdline"][3] = "OUT"
+    assert views["warm"] == views["cold"] == views["warm2"], views
+    cold_view = views["cold"]
+    assert cold_view["name"] == "__main__" and cold_view["main_has_only_its_own_names"]
+    assert cold_view["cmdline"] == cold_view["orig_argv"] == [sys.executable, "-m", PROBE, "OUT", "3"]
+    assert cold_view["own_group"] and cold_view["own_session"] and cold_view["stdin_is_devnull"]
+    assert cold_view["cwd"] == cold_view["path0"] == str(REPO)
+    for name in ("warm", "cold"):  # the header ManagedProcess writes, then the child's own output
+        lines = (tmp_path / f"{name}.log").read_text().splitlines()
+        assert lines[0].startswith(f"# {name}: ") and lines[1].startswith("probe ")
+
+
+def test_a_warm_child_ended_by_a_signal_reports_it_as_popen_does(tmp_path, server_socket):
+    results = {}
+    for name, sock in (("cold", ""), ("warm", server_socket)):
+        process = probe(tmp_path, name, "wait", sock).start()
+        seen(tmp_path, name)
+        assert process.alive and process.returncode is None
+        results[name] = process.stop(timeout_s=10)
+        assert not process.alive
+    assert results == {"cold": -signal.SIGTERM, "warm": -signal.SIGTERM}
+
+
+def test_a_warm_child_dies_with_the_process_that_started_it(tmp_path, server_socket):
+    requester = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.procs.test_warm import probe
+        from pathlib import Path
+        process = probe(Path({str(tmp_path)!r}), "orphan", "wait", {server_socket!r}).start()
+        print(type(process._popen).__name__, process.pid, flush=True)
+        time.sleep(600)
+    """)
+    started = subprocess.Popen([sys.executable, "-c", requester], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                               env=dict(os.environ))  # fmt: skip
+    kind, pid = started.stdout.readline().split()
+    assert kind == "WarmChild"
+    seen(tmp_path, "orphan")
+    started.kill()
+    started.wait()
+    assert gone(int(pid)), "the warm child outlived the process that started it"
+
+
+def test_a_warm_child_dies_with_the_server_and_reports_it_killed(tmp_path):
+    folder = Path(tempfile.mkdtemp(prefix="warm-"))
+    server = start_warm_server(folder / "w.sock", folder / "w.log", "--preload", "--modules", PROBE)
+    try:
+        process = probe(tmp_path, "child", "wait", str(folder / "w.sock")).start()
+        seen(tmp_path, "child")
+        os.kill(server.pid, signal.SIGKILL)
+        assert process._popen.wait(10) == -signal.SIGKILL
+        assert gone(process.pid)
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_variable_no_import_read_may_differ_and_the_child_sees_it(tmp_path, server_socket):
+    process = probe(tmp_path, "runtime", "0", server_socket, MILES_PROBE_SETTING="on").start()
+    assert isinstance(process._popen, WarmChild) and process._popen.wait(60) == 0
+    assert seen(tmp_path, "runtime")["env"]["MILES_PROBE_SETTING"] == "on"
+
+
+def test_what_the_server_cannot_match_starts_cold(tmp_path, server_socket):
+    cases = {
+        # numpy's import reads NUMPY_MADVISE_HUGEPAGE; OMP_* is read by native code at load
+        "env": probe(tmp_path, "env", "0", server_socket, NUMPY_MADVISE_HUGEPAGE="0"),
+        "native": probe(tmp_path, "native", "0", server_socket, OMP_THREAD_LIMIT="1"),
+        "module": ManagedProcess("module", [sys.executable, "-m", "json.tool", "--help"], log_path=tmp_path / "m.log",
+                                 env={WARM_START_ENV: server_socket}),
+        "missing cwd": ManagedProcess("cwd", [sys.executable, "-m", PROBE, "x", "0"], cwd=tmp_path / "nowhere",
+                                      log_path=tmp_path / "c.log", env={WARM_START_ENV: server_socket}),
+    }
+    for name, variable in (("env", "NUMPY_MADVISE_HUGEPAGE"), ("native", "OMP_THREAD_LIMIT")):
+        cases[name].start()
+        assert not isinstance(cases[name]._popen, WarmChild) and cases[name]._popen.wait(60) == 0
+        assert variable in seen(tmp_path, name)["env"]
+    cases["module"].start()
+    assert not isinstance(cases["module"]._popen, WarmChild) and cases["module"]._popen.wait(60) == 0
+    with pytest.raises(FileNotFoundError):  # as Popen raises it, not a child that fails later
+        cases["missing cwd"].start()
+
+
+def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, server_socket):
+    assert oct(os.stat(server_socket).st_mode & 0o777) == oct(0o600)
+    for garbage in (b"not json\n", b'{"argv": 3}\n', b"[]\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(server_socket)
+            conn.sendall(garbage)
+            reply = json.loads(conn.makefile("rb").readline())
+        assert "malformed request" in reply["cold"], (garbage, reply)
+    process = probe(tmp_path, "after", "0", server_socket).start()
+    assert isinstance(process._popen, WarmChild) and process._popen.wait(60) == 0
