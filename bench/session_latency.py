@@ -28,9 +28,12 @@ from miles_testkit.launch import start_engine
 TURNS = 10
 MAX_TOKENS = 4
 CONCURRENCY = (1, 32)
-# Rounds each way per concurrency. A round at 1 is 10 turns: 40 turns each way left the added p50 within +-1.5 ms
-# from run to run (the engine's own latency varies by more than the target of 1 ms), so 1 runs ten times as many.
-ROUNDS = {1: 40, 32: 4}
+# Rounds each way per concurrency. A round at 1 is 10 turns: 40 rounds left the added p50 within +-1.5 ms from run to
+# run (the engine's own latency varies by more than the target of 1 ms); 120 kept three runs within 0.70-0.92 ms.
+# At 32, 4 rounds (1,280 turns a side) put the added p99 anywhere from -34% to +43% of direct over three runs.
+ROUNDS = {1: 120, 32: 12}
+# Whole passes over both concurrencies: the table pools them; each pass's figures show the spread.
+PASSES = 3
 
 
 @contextmanager
@@ -83,7 +86,10 @@ async def measure(
                 urls.append(f"{engine_url}/v1/chat/completions")
         started = time.perf_counter()
         await asyncio.gather(*(play_agent(http, url, i, latencies) for i, url in enumerate(urls)))
-    return latencies, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if through_session:  # as the agentic rollout does once it has the session's samples
+            await asyncio.gather(*(http.delete(url.removesuffix("/v1/chat/completions")) for url in urls))
+    return latencies, seconds
 
 
 def summary(latencies: list[float], seconds: float) -> dict[str, float]:
@@ -95,16 +101,27 @@ def summary(latencies: list[float], seconds: float) -> dict[str, float]:
     }
 
 
-async def compare(engine_url: str, server_url: str, concurrency: int) -> dict:
+Collected = dict[str, tuple[list[float], float]]  # side -> (per-turn latencies, seconds)
+
+
+async def collect(engine_url: str, server_url: str, concurrency: int) -> Collected:
     """ROUNDS[concurrency] rounds each way, interleaved (direct, session, session, direct, ...) so that drift in the
     machine's load falls on both sides alike."""
-    collected = {"direct": ([], 0.0), "session": ([], 0.0)}
+    collected: Collected = {"direct": ([], 0.0), "session": ([], 0.0)}
     for round_index in range(ROUNDS[concurrency]):
         order = ("direct", "session") if round_index % 2 == 0 else ("session", "direct")
         for side in order:
             latencies, seconds = await measure(engine_url, server_url, concurrency, side == "session")
             kept, total = collected[side]
             collected[side] = (kept + latencies, total + seconds)
+    return collected
+
+
+def pooled(passes: list[Collected]) -> Collected:
+    return {side: ([x for p in passes for x in p[side][0]], sum(p[side][1] for p in passes)) for side in passes[0]}
+
+
+def compare(collected: Collected) -> dict:
     direct, session = (summary(*collected[side]) for side in ("direct", "session"))
     return {
         "direct": direct,
@@ -118,11 +135,18 @@ async def compare(engine_url: str, server_url: str, concurrency: int) -> dict:
 
 async def run() -> dict:
     rounds = {str(concurrency): count for concurrency, count in ROUNDS.items()}
-    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "rounds": rounds, "by_concurrency": {}}
+    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "rounds": rounds, "passes": PASSES,
+               "by_concurrency": {}}  # fmt: skip
+    passes: dict[int, list[Collected]] = {concurrency: [] for concurrency in CONCURRENCY}
     with engine_and_session_server(session_flags=[]) as (engine_url, server_url):
         await measure(engine_url, server_url, CONCURRENCY[-1], through_session=True)  # warm-up
-        for concurrency in CONCURRENCY:
-            results["by_concurrency"][str(concurrency)] = await compare(engine_url, server_url, concurrency)
+        for _ in range(PASSES):
+            for concurrency in CONCURRENCY:
+                passes[concurrency].append(await collect(engine_url, server_url, concurrency))
+    for concurrency, collected in passes.items():
+        row = compare(pooled(collected))
+        row["per_pass"] = [compare(one) for one in collected]
+        results["by_concurrency"][str(concurrency)] = row
     return results
 
 
@@ -131,7 +155,9 @@ def main() -> None:
     low, high = (results["by_concurrency"][str(c)] for c in CONCURRENCY)
     lines = [
         f"Per-turn latency, {TURNS}-turn agents, max_tokens={MAX_TOKENS}, tiny-moe on the embedded engine (CPU), "
-        "interleaved rounds each way: " + ", ".join(f"{n} at concurrency {c}" for c, n in ROUNDS.items()) + ".",
+        "interleaved rounds each way: " + ", ".join(f"{n} at concurrency {c}" for c, n in ROUNDS.items())
+        + f"; {PASSES} passes over both, pooled (each pass's figures below the table); sessions deleted after "
+        "their agent's last turn, as the agentic rollout does.",
         "",
         "| concurrency | direct p50 / p99 (ms) | session p50 / p99 (ms) | added p50 / p99 (ms) "
         "| added p99 / direct p99 | turns/s direct / session | throughput ratio |",
@@ -143,6 +169,14 @@ def main() -> None:
             f"| {concurrency} | {direct['p50_ms']} / {direct['p99_ms']} | {session['p50_ms']} / {session['p99_ms']} "
             f"| {row['added_p50_ms']} / {row['added_p99_ms']} | {row['added_p99_fraction']:.1%} "
             f"| {direct['turns_per_s']} / {session['turns_per_s']} | {row['throughput_ratio']:.2f} |"
+        )
+    lines.append("")
+    for concurrency, row in results["by_concurrency"].items():
+        p50s, p99s, ratios = zip(*((p["added_p50_ms"], p["added_p99_fraction"], p["throughput_ratio"])
+                                   for p in row["per_pass"]), strict=True)  # fmt: skip
+        lines.append(
+            f"- concurrency {concurrency}, per pass: added p50 {', '.join(map(str, p50s))} ms; added p99 / direct p99 "
+            f"{', '.join(f'{x:.1%}' for x in p99s)}; throughput ratio {', '.join(f'{x:.2f}' for x in ratios)}"
         )
     lines += [
         "",
