@@ -15,6 +15,7 @@ from pathlib import Path
 
 from miles_runner.core.cluster_nodes import NODE_RESOURCE_PREFIX, NODE_RESOURCE_UNITS, node_resource
 from miles_runner.plan.model import Plan
+from miles_runner.procs.warm import WARM_START_ENV
 from miles_runner.slurm.settings import SlurmSettings
 
 JOB_SCRIPT = "job.sbatch"  # in the job folder
@@ -88,6 +89,8 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$("$PY" -c 'import secrets; print(secr
 # On SIGTERM a node's Ray stops at once (by default it drains for 30 s, Slurm's whole KillWait): nothing here
 # serves traffic that a drain would protect.
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+# The job's processes start inside the job, never forked by a warm start server of the submitter's (procs/warm.py).
+unset {WARM_START_ENV}
 RAY_PIDS=()
 DRIVER=""
 stop_ray() {{

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from miles_runner.cli.main import main
 from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.slurm.contradictions import EXECUTOR_OVERRIDES, executor_problems, settings_problems
-from miles_runner.slurm.script import render_job_script
+from miles_runner.slurm.script import JOB_LOG, job_body, render_job_script
 from miles_runner.slurm.settings import SlurmSettings
 from miles_testkit.plan_errors import printed_rules as rules
 
@@ -48,6 +49,19 @@ def test_a_single_node_job_keeps_ray_on_loopback():
     plan = compile_plan(compose([TINY, *EXECUTOR_OVERRIDES]))
     script = render_job_script(plan, SlurmSettings(), "/jobs/0", "python")
     assert "HEAD_IP=127.0.0.1" in script and "hostname -I" not in script and "K < " not in script
+
+
+def test_a_job_starts_its_processes_itself_whatever_warm_start_server_the_submitter_named(tmp_path):
+    # sbatch hands the job the submitter's environment; the job drops MILES_WARM_START before it starts anything.
+    plan = compile_plan(compose([TINY, *EXECUTOR_OVERRIDES]))
+    body = job_body(plan, SlurmSettings(), tmp_path, sys.executable)
+    until_ray = body[: body.index("RAY_PIDS=()")] + 'echo "warm start: ${MILES_WARM_START-unset}"\n'
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho node0\n")  # what `scontrol show hostnames` prints
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {**os.environ, "MILES_WARM_START": "/tmp/submitter.sock", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n0",
+           "PATH": f"{tmp_path}:{os.environ['PATH']}"}  # fmt: skip
+    assert subprocess.run(["bash", "-c", until_ray], env=env, timeout=60).returncode == 0
+    assert "warm start: unset" in (tmp_path / JOB_LOG).read_text()
 
 
 @pytest.mark.parametrize(("settings", "fix"), [
