@@ -84,7 +84,8 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
 # --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
-# 18 min against 33 in one process). Each test file stays on one worker (--dist loadfile), so a module's shared run or
+# 14-17 min, 20:40 for all of .ci/run on a clean clone; the components the tests start fork from a warm start server
+# per worker, tests/conftest.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or
 # server starts once and the local Slurm cluster (tests/slurm, one file) has one owner; files with slow tests go first
 # (tests/conftest.py; --no-loadscope-reorder keeps that order). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
@@ -105,7 +106,7 @@ tiny-models: $(STAMP)
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 miles_runner hydra_plugins miles_testkit bench tests > /dev/null
 
-# The inner loop (under 2 minutes on 2 cores: 1:17, and 2:24 when the machine ran slower the same day): the unit tests, no servers,
+# The inner loop (under 2 minutes on 2 cores: 52 s; 1:17, and 2:24 on slower days): the unit tests, no servers,
 # processes or training runs, spread over one worker per core. Hydra composition is most of it: the workers share
 # their composed configs (tests/compiled.py).
 test-fast: layers sglang-spec bytecode

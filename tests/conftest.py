@@ -79,14 +79,10 @@ def warm_start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
     """The runner's Python components that the tests start (engines, session servers, trainer ranks, ...) fork
     from one warm start server per test process (miles_runner/procs/warm.py), which has imported torch,
     transformers and the rest once: an engine is healthy in well under a second instead of after ~4 s of CPU.
-    Only where a selected test starts processes; MILES_WARM_START=off (or set to an empty value) starts every
-    component cold, as a plain run does. Its log (each child it forked, and why any started cold) is kept in
-    pytest's base temporary folder."""
-    setting = os.environ.get("MILES_WARM_START")
+    Only where a selected test starts processes; MILES_WARM_START=off starts every component cold, as a plain run
+    does. Its log (each child it forked, and why any started cold) is kept in pytest's base temporary folder."""
     wanted = any(item.get_closest_marker(m) for item in request.session.items for m in PROCESS_MARKERS)
-    if setting is not None or not wanted:
-        if setting == "off":
-            os.environ["MILES_WARM_START"] = ""
+    if os.environ.get("MILES_WARM_START") is not None or not wanted:  # a server of the caller's, or "off"
         yield
         return
     from miles_runner.procs.process import start_warm_server

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WARM_START_ENV = "MILES_WARM_START"
+WARM_START_OFF = "off"  # the variable's value that turns warm starts off (the tests start a server unless told so)
 RUNNER_MODULES = ("miles_runner.",)
 PRELOAD = (
     "numpy", "torch", "torch.distributed", "safetensors.torch", "tokenizers", "transformers",
@@ -138,7 +139,7 @@ def warm_start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | No
     """The child forked by the warm server that `env` names, or None (then it starts cold, as usual): no
     server named, not a runner module, or the server's answer was that this one must start cold (logged)."""
     address = env.get(WARM_START_ENV)
-    if not address or python_module(argv) is None:
+    if not address or address == WARM_START_OFF or python_module(argv) is None:
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lines = _Lines(conn)

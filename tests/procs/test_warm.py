@@ -148,6 +148,8 @@ def test_what_the_server_cannot_match_starts_cold(tmp_path, server_socket):
         "missing cwd": ManagedProcess("cwd", [sys.executable, "-m", PROBE, "x", "0"], cwd=tmp_path / "nowhere",
                                       log_path=tmp_path / "c.log", env={WARM_START_ENV: server_socket}),
     }
+    off = probe(tmp_path, "off", "0", "off").start()  # MILES_WARM_START=off: no server is asked
+    assert not isinstance(off._popen, WarmChild) and off._popen.wait(60) == 0
     for name, variable in (("env", "NUMPY_MADVISE_HUGEPAGE"), ("native", "OMP_THREAD_LIMIT")):
         cases[name].start()
         assert not isinstance(cases[name]._popen, WarmChild) and cases[name]._popen.wait(60) == 0
