@@ -270,9 +270,9 @@ class WarmServer:
             return None
         del self.pending[conn]
         try:
-            request = lines.read()
+            request = _checked_request(lines.read())
             reason = self.cold_reason(request)
-        except (ValueError, TypeError, KeyError) as error:
+        except ValueError as error:
             reason = f"malformed request: {error}"
         if reason:
             log.info("cold: %s", reason)
@@ -415,6 +415,20 @@ def preload(modules: Sequence[str]) -> tuple[list[str], set[str]]:
     finally:
         os.environ = original  # noqa: B003 - puts the object back; the variables are the same ones
     return imported, recording.read
+
+
+def _checked_request(request: object) -> dict:
+    """The request, once it is {"argv": [str, ...], "env": {str: str}, "cwd": str, "log_path": str}; else ValueError."""
+    if not isinstance(request, dict) or set(request) != {"argv", "env", "cwd", "log_path"}:
+        raise ValueError('expected an object with exactly "argv", "env", "cwd" and "log_path"')
+    argv, env = request["argv"], request["env"]
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        raise ValueError("argv must be a non-empty list of strings")
+    if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+        raise ValueError("env must map names to strings")
+    if not (isinstance(request["cwd"], str) and isinstance(request["log_path"], str)):
+        raise ValueError("cwd and log_path must be strings")
+    return request
 
 
 def _peer_uid(conn: socket.socket) -> int | None:

@@ -162,7 +162,12 @@ def test_what_the_server_cannot_match_starts_cold(tmp_path, server_socket):
 
 def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, server_socket):
     assert oct(os.stat(server_socket).st_mode & 0o777) == oct(0o600)
-    for garbage in (b"not json\n", b'{"argv": 3}\n', b"[]\n"):
+    good = {"argv": [sys.executable, "-m", PROBE], "env": {}, "cwd": str(REPO), "log_path": "/dev/null"}
+    malformed = [b"not json\n", b'{"argv": 3}\n', b"[]\n", b"\xff\n"] + [
+        json.dumps({**good, field: value}).encode() + b"\n"
+        for field, value in (("env", "x"), ("env", {"A": 1}), ("argv", []), ("argv", [1]), ("cwd", None))
+    ]
+    for garbage in malformed:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(server_socket)
             conn.sendall(garbage)
