@@ -287,8 +287,7 @@ class WarmServer:
         module = python_module(argv)
         if module is None or not module.startswith(self.modules):
             return f"only `{sys.executable} -m <module>` of {', '.join(self.modules)} starts warm"
-        if differ := sorted(k for k in set(env) | set(self.environ)
-                            if env.get(k) != self.environ.get(k) and self.read_at_import(k)):  # fmt: skip
+        if differ := sorted(k for k in set(env) | set(self.environ) if self.differs(k, env.get(k))):
             return f"its environment differs from the warm server's in {', '.join(differ)}, read at import"
         if not Path(cwd).is_dir():
             return f"its working folder {cwd} does not exist"
@@ -297,6 +296,14 @@ class WarmServer:
         if (threads := threading.active_count()) != 1:
             return f"the warm server runs {threads} Python threads and cannot fork safely"
         return None
+
+    def differs(self, name: str, value: str | None) -> bool:
+        """Whether a child with `value` for `name` could import otherwise than the server did. The value the
+        server's own imports set (torch sets TORCHINDUCTOR_CACHE_DIR) is what a cold child's imports would
+        find or set themselves: a requester that imported them first passes it on."""
+        if value == self.environ.get(name) or not self.read_at_import(name):
+            return False
+        return name not in self.import_set or value != self.import_set[name]
 
     def read_at_import(self, name: str) -> bool:
         if name in READ_LATER:

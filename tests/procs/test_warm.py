@@ -23,13 +23,15 @@ from miles_runner.procs.warm import WARM_START_ENV, WarmChild
 pytestmark = pytest.mark.integration
 
 PROBE = "tests.procs.warm_probe"
+SETTER = "tests.procs.warm_env_setter"  # sets MILES_PROBE_IMPORT_SET at import, unless it is set
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server_socket() -> str:
     folder = Path(tempfile.mkdtemp(prefix="warm-"))  # short: a Unix socket's path has at most 107 bytes
-    server = start_warm_server(folder / "warm.sock", folder / "warm.log", "--preload", "numpy", "--modules", PROBE)
+    server = start_warm_server(folder / "warm.sock", folder / "warm.log", "--preload", "numpy", SETTER,
+                               "--modules", PROBE)  # fmt: skip
     yield str(folder / "warm.sock")
     server.stop()
     shutil.rmtree(folder, ignore_errors=True)
@@ -136,6 +138,17 @@ def test_a_variable_no_import_read_may_differ_and_the_child_sees_it(tmp_path, se
     process = probe(tmp_path, "runtime", "0", server_socket, MILES_PROBE_SETTING="on").start()
     assert isinstance(process._popen, WarmChild) and process._popen.wait(60) == 0
     assert seen(tmp_path, "runtime")["env"]["MILES_PROBE_SETTING"] == "on"
+
+
+def test_what_the_servers_imports_set_reaches_the_child_and_may_come_from_a_requester_that_imported_them(
+    tmp_path, server_socket
+):
+    for name, given in (("unset", None), ("same", "computed-at-import"), ("other", "given")):
+        process = probe(tmp_path, name, "0", server_socket,
+                        **({"MILES_PROBE_IMPORT_SET": given} if given else {})).start()  # fmt: skip
+        assert process._popen.wait(60) == 0
+        assert isinstance(process._popen, WarmChild) == (name != "other")  # another value: its import would differ
+        assert seen(tmp_path, name)["env"]["MILES_PROBE_IMPORT_SET"] == (given or "computed-at-import")
 
 
 def test_what_the_server_cannot_match_starts_cold(tmp_path, server_socket):
