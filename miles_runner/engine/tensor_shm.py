@@ -2,9 +2,10 @@
 CUDA IPC handles.
 
 On GPUs, SGLang's tensor routes receive MultiprocessingSerializer bytes, a pickle of CUDA IPC handles: the tensors
-never travel in the request, only handles the engine maps (same node). Here the trainer writes the tensors as a
-safetensors file into a segment of /dev/shm that it owns, and each entry of `serialized_named_tensors` is a handle
-naming that segment. The engine opens it (a name of this module's pattern, directly in /dev/shm, a regular file of
+never travel in the request, only handles the engine maps (same node), and the engine copies from the trainer's
+own memory. Here the tensors are a safetensors file in a segment of /dev/shm that the trainer owns: the memory its
+adapter parameters live in (SharedTensors), or a segment it rewrites for each push with tensors that are copies
+(TensorSegment); each entry of `serialized_named_tensors` is a handle naming that segment. The engine opens it (a name of this module's pattern, directly in /dev/shm, a regular file of
 its own user, not a link), copies the tensors into memory of its own (SegmentReader: the adapter's load copies
 from views of the mapped segment; read_segment: one buffer read from the file) and answers; the trainer rewrites
 the segment only for its next request, so nothing the engine keeps may point into it. The engine parses the
@@ -14,10 +15,11 @@ hosts get the tensors inline (tensor_wire.py).
 Handle entry: base64 of b"miles-shm:" + the segment's name. A safetensors blob starts with its header's length as 8
 little-endian bytes; b"miles-sh" read so is about 7.6e18, which no blob has, so the two kinds never meet.
 
-Speed (bench/adapter_sync_bandwidth.py): the trainer rewrites one segment in place and the engine keeps it mapped
-(SegmentReader), so both sides touch warm pages; a sync costs two copies of the bytes (into the segment, out of it
-into the adapter's weights) and no base64 or JSON of them. At r64 (11.7 MB) the adapter's load took 136 ms inline
-and takes 5 to 11 ms this way.
+Speed (bench/adapter_sync_bandwidth.py): the engine keeps the segment mapped and its header parsed (SegmentReader),
+so a sync costs one copy of the bytes, the engine's, out of the trainer's parameters into the adapter's weights
+(two for copies: into the rewritten segment first), and no base64 or JSON of them. At r64 (11.7 MB) the adapter's
+load takes about 100 ms inline and 3 to 4 ms this way; per extra byte it runs at 33-51% of a plain copy's speed
+(two copies: 17-24%).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import secrets
 import stat
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -93,9 +95,27 @@ class TensorSegment:
             offset += size
         return HANDLE_PREFIX + self.name.encode("ascii")
 
-    def close(self) -> None:
-        self._unmap()
+    def close(self, *, unmap: bool = True) -> None:
+        """Remove the segment. `unmap=False` where tensors still use the map: it goes when the last of them does
+        (each holds the map object; closing it under them would leave them pointing at unmapped memory)."""
+        if unmap:
+            self._unmap()
+        else:
+            self._map, self._bytes = None, None
         self._finalizer()
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Writable views of the tensors the last `write` put here (the map, not copies)."""
+        if self._bytes is None:
+            raise ValueError(f"tensor segment {self.name} holds nothing yet")
+        return _tensors_of(self._bytes)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory lies in the map."""
+        if self._bytes is None:
+            return False
+        start = self._bytes.data_ptr()
+        return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + self._bytes.numel()
 
     def _reserve(self, size: int) -> torch.Tensor:
         """The map, at exactly `size` bytes (safetensors wants the file to end where its data ends)."""
@@ -114,6 +134,40 @@ class TensorSegment:
             self._map = None
 
 
+class SharedTensors:
+    """Tensors whose memory is a segment of /dev/shm, laid out as a safetensors file: a trainer's adapter parameters
+    move here, and an engine on this host loads them straight from it, one copy into its own weights, as SGLang's
+    engines read a GPU trainer's tensors through CUDA IPC handles (no copy into a hand-off buffer first).
+
+    The segment is written once, when the tensors move in; from then on their owner changes them in place (an
+    optimizer step), which it must not do while an engine reads them: a push returns once every engine has loaded.
+    `close` removes the segment; its memory stays mapped until the last tensor using it is gone."""
+
+    def __init__(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        self._segment, self._closed = TensorSegment(), False
+        self.handle = self._segment.write(named_tensors.items())
+        self.tensors = self._segment.views()
+        if not all(self._segment.holds(view) for view in self.tensors.values()):
+            self.close()  # a dtype mix left a tensor unaligned: its view had to be a copy of its own
+            raise ValueError("these tensors cannot all be laid out in shared memory in place; send them as copies")
+
+    def handle_for(self, named_tensors: Mapping[str, torch.Tensor]) -> bytes | None:
+        """The segment's handle when `named_tensors` are exactly these tensors (the same memory, shapes and dtypes),
+        else None: then they need a copy of their own."""
+        if self._closed or named_tensors.keys() != self.tensors.keys():
+            return None
+        same = all(_layout(tensor) == _layout(self.tensors[name]) for name, tensor in named_tensors.items())
+        return self.handle if same else None
+
+    def close(self) -> None:
+        self._closed = True
+        self._segment.close(unmap=False)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
 def read_segment(name: str) -> dict[str, torch.Tensor]:
     """The tensors of the segment a handle names, read into one buffer of this process (nothing stays mapped);
     ValueError when the name is not a segment's, or the segment is missing, not this user's regular file, or not a
@@ -129,12 +183,15 @@ def read_segment(name: str) -> dict[str, torch.Tensor]:
 
 class SegmentReader:
     """An engine's reader of the segments handles name, which keeps the last one mapped: the trainer rewrites the
-    same segment for every push, so its pages are mapped once and each read is one copy from warm memory. The
-    views `borrow` yields are valid only inside its block (the next push rewrites them): copy what you keep."""
+    same segment for every push (or its parameters live in one), so its pages are mapped once and each read is one
+    copy from warm memory; the views of an unchanged header are kept too (parsing it was a tenth of a small
+    adapter's load). The views `borrow` yields are valid only inside its block (the next push rewrites them, and a
+    remap unmaps them): copy what you keep."""
 
     def __init__(self) -> None:
         self._key: tuple[int, int, int] | None = None  # (device, inode, size) of the mapped file
         self._map: mmap.mmap | None = None
+        self._parsed: tuple[bytes, dict[str, torch.Tensor]] | None = None  # (header, its views of the map)
 
     @contextlib.contextmanager
     def borrow(self, name: str) -> Iterator[dict[str, torch.Tensor]]:
@@ -149,14 +206,28 @@ class SegmentReader:
             os.close(fd)
         if self._map is None:
             raise ValueError(f"tensor segment {name} is not a well-formed safetensors file: it is empty")
+        yield dict(self._views(name, self._map))
+
+    def _views(self, name: str, mapped: mmap.mmap) -> dict[str, torch.Tensor]:
+        """The tensors of the mapped segment: the kept views when its header has not changed since they were made
+        (the same map, names, shapes and offsets), else parsed anew."""
+        header = mapped[: 8 + int.from_bytes(mapped[:8], "little")]  # a length past the end: all there is
+        if self._parsed is not None and self._parsed[0] == header:
+            return self._parsed[1]
         with warnings.catch_warnings():  # a read-only map: the views are only ever read
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(self._map, dtype=torch.uint8)
-        yield _checked_tensors(name, data)
+            data = torch.frombuffer(mapped, dtype=torch.uint8)
+        tensors = _checked_tensors(name, data)
+        start, end = data.data_ptr(), data.data_ptr() + len(data)
+        # An unaligned tensor's "view" is a copy of this read (_tensors_of): such a parse is not kept.
+        in_map = all(t.numel() == 0 or start <= t.data_ptr() < end for t in tensors.values())
+        self._parsed = (header, tensors) if in_map else None
+        return tensors
 
     def close(self) -> None:
-        """Unmap (on a remap, and at shutdown); a view someone kept holds the map until it is collected."""
-        mapped, self._map, self._key = self._map, None, None
+        """Unmap (on a remap, and at shutdown): views of the map must not be used after (they hold no export of
+        it, so the map closes under them)."""
+        mapped, self._map, self._key, self._parsed = self._map, None, None, None
         if mapped is not None:
             with contextlib.suppress(BufferError):
                 mapped.close()

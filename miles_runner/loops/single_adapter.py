@@ -31,7 +31,7 @@ from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
 from miles_runner.loops.engine_restarts import EngineRestarts
 from miles_runner.lora.probe import PushProbe, probe_token_ids
-from miles_runner.lora.sync import make_sync
+from miles_runner.lora.sync import make_sync, share_trainer_adapter
 from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
@@ -150,6 +150,7 @@ class SingleAdapterLoop:
         self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.sync.max_logprob_gap)
                       if plan.sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
+        self.adapter_shared = share_trainer_adapter(trainer, sync)
         self._stamp("rollout_ready")
         try:
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
@@ -233,9 +234,13 @@ class SingleAdapterLoop:
     async def _sync(self, trainer, sync, version: int) -> dict[str, float]:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
         # versions run as usual, only the trained weights never reach the rollouts.
-        tensors = self.initial_adapter if self.freeze_adapter else trainer.adapter_state()
+        if self.freeze_adapter:
+            tensors = self.initial_adapter
+        else:  # the parameters themselves where they live in the sync's shared memory: no copy before the engine's
+            tensors = trainer.adapter_views() if self.adapter_shared else trainer.adapter_state()
         report, probed = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
-        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds, **probed}
+        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds,
+                "sync/shared_memory": float(report.shared_memory), **probed}  # fmt: skip
 
     async def _push(self, sync, tensors, trainer, version: int, *, what: str):
         """Push, then probe every engine while the trainer holds exactly the pushed adapter (plan.sync.verify)."""

@@ -33,6 +33,7 @@ class SyncReport:
     engines: int
     bytes: int
     verify_seconds: float  # asking every engine for its weight version after the push
+    shared_memory: bool = False  # the engines loaded the trainer's own tensors (TensorSync.share): no copy before
 
 
 def tensor_bytes(tensors: Mapping[str, Any]) -> int:
@@ -54,6 +55,7 @@ class AdapterSync:
         self.flush = plan.sync.flush_cache
         self.flush_timeout_s = flush_timeout_s
         self.loaded: set[str] = set()  # spec: the first load of a name does not unload
+        self.loaded_shared = False  # whether the last load handed the engines the trainer's own tensors
 
     async def push(
         self, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int, *, lora_name: str | None = None
@@ -75,7 +77,7 @@ class AdapterSync:
         finally:
             await self._each(lambda c: c.continue_generation())
         seconds = time.perf_counter() - start
-        return SyncReport(version, seconds, len(self.clients), tensor_bytes(tensors), verify_s)
+        return SyncReport(version, seconds, len(self.clients), tensor_bytes(tensors), verify_s, self.loaded_shared)
 
     async def load(self, tensors: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
         raise NotImplementedError

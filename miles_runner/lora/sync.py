@@ -10,6 +10,7 @@ them by a torch.distributed broadcast (broadcast.py). The shared protocol is in 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from miles_runner.engine.client import EngineClient
 from miles_runner.lora.adapter_sync import AdapterSync
@@ -31,3 +32,18 @@ def make_sync(
         upsert = plan.sync.pause_generation_mode == "in_place" or plan.capabilities.multi_lora
         return BroadcastSync(clients, plan, lora_name, upsert=upsert, master_address=trainer_address)
     raise ValueError(f"adapter sync has no {plan.sync.method!r} method (the plan compiler rejects it)")
+
+
+def share_trainer_adapter(trainer: Any, sync: AdapterSync) -> bool:
+    """Move the trainer's adapter parameters into the memory a tensor sync hands engines on this host (one copy a
+    push, the engine's own, as CUDA IPC gives SGLang on GPUs); True when they moved, and then `adapter_views()` is
+    what a push sends. False, with nothing moved, for a trainer that exports copies (FSDP shards, Megatron's
+    converted names), a broadcast sync, or engines that do not read shared memory."""
+    views = trainer.adapter_views() if hasattr(trainer, "adapter_views") else None
+    if views is None or not isinstance(sync, TensorSync):
+        return False
+    homes = sync.share(views)
+    if homes is None:
+        return False
+    trainer.move_adapter(homes)
+    return True

@@ -225,6 +225,15 @@ class FSDPTrainer:
         """The adapter tensors in PEFT naming (what engines load); collective under FSDP2."""
         return lora_model.peft_adapter_state(self.model)
 
+    def adapter_views(self) -> dict[str, torch.Tensor] | None:
+        """The adapter's tensors sharing the parameters' memory (valid until the next train step); None under FSDP,
+        where each rank holds shards."""
+        return lora_model.peft_adapter_views(self.model) if self.world_size == 1 else None
+
+    def move_adapter(self, homes: dict[str, torch.Tensor]) -> None:
+        """Move the adapter's parameters into `homes` (shared memory an engine reads them from: TensorSync.share)."""
+        lora_model.move_adapter(self.model, homes)
+
     def adapter_config(self) -> dict[str, Any]:
         return lora_model.adapter_config_dict(self.settings.adapter)
 

@@ -104,6 +104,27 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 def peft_adapter_state(model) -> dict[str, torch.Tensor]:
     """The adapter's tensors in PEFT naming (what ``save_pretrained`` writes); collective under FSDP2."""
+    return {name: _full(t) for name, t in peft_adapter_views(model).items()}
+
+
+def peft_adapter_views(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in PEFT naming, sharing the parameters' memory (no copy: they change with the next
+    optimizer step); one rank's shards under FSDP2."""
     from peft import get_peft_model_state_dict
 
-    return {name: _full(t) for name, t in get_peft_model_state_dict(model, adapter_name=PEFT_ADAPTER).items()}
+    return {name: t.detach() for name, t in get_peft_model_state_dict(model, adapter_name=PEFT_ADAPTER).items()}
+
+
+def move_adapter(model, homes: dict[str, torch.Tensor]) -> None:
+    """Make `homes` (by PEFT name, holding the current values) the memory of the adapter's parameters: the optimizer
+    updates them there from now on. Nothing moves unless every adapter tensor is a parameter and has a home."""
+    parameters = {p.data_ptr(): p for p in model.parameters() if p.requires_grad}
+    views = peft_adapter_views(model)
+    if views.keys() != homes.keys() or any(t.data_ptr() not in parameters for t in views.values()):
+        raise ValueError("the adapter's tensors are not its parameters one to one; they cannot move")
+    for name, view in views.items():
+        parameter, home = parameters[view.data_ptr()], homes[name]
+        if home.shape != parameter.shape or home.dtype != parameter.dtype or not torch.equal(home, parameter):
+            raise ValueError(f"the new home of {name} does not hold its values")
+    for name, view in views.items():
+        parameters[view.data_ptr()].data = homes[name]

@@ -51,19 +51,34 @@ def path_seconds(fixed: float, rate: float, nbytes: int, fixed_min: float) -> di
             "push_min_seconds": fixed_min + push, "load_min_seconds": fixed_min + load}  # fmt: skip
 
 
-def test_bandwidths_follow_from_the_seconds():
-    rows = [{"rank": r, "bytes": b, "copy_seconds": b / 4e9, "tensor": path_seconds(0.01, 1e9, b, 0.005),
+def measured_rows() -> list[dict]:
+    """Copies at 4 GB/s (fastest runs: 1 us of fixed cost, then 5 GB/s); paths of known fixed costs and rates."""
+    return [{"rank": r, "bytes": b, "copy_seconds": b / 4e9, "copy_min_seconds": 1e-6 + b / 5e9,
+             "tensor": path_seconds(0.01, 1e9, b, 0.005), "tensor_copied": path_seconds(0.01, 5e8, b, 0.005),
              "tensor_inline": path_seconds(0.03, 1e8, b, 0.02), "broadcast": path_seconds(0.02, 4e9, b, 0.001)}
             for r, b in ((8, 1_000_000), (16, 2_000_000), (64, 8_000_000))]  # fmt: skip
+
+
+def test_bandwidths_follow_from_the_seconds():
+    rows = measured_rows()
     figures = {"rows": rows, "memory_copy_gbs": 2.0}
     bench.add_bandwidths(figures)
     assert rows[0]["copy_gbs"] == pytest.approx(4.0)
     assert rows[2]["tensor"]["load_gbs"] == pytest.approx(8e6 / (0.005 + 8e6 / 2e9) / 1e9)
+    assert figures["copy_marginal_gbs"] == pytest.approx(5.0)  # the copy's slope: its fixed microsecond left out
     marginal = figures["marginal"]  # the slope leaves the fixed per-request seconds out
     assert marginal["tensor_push"]["gbs"] == pytest.approx(1.0)
     assert marginal["broadcast_load"]["gbs"] == pytest.approx(8.0)
-    assert marginal["broadcast_load"]["fraction_of_copy"] == pytest.approx(2.0)
+    assert marginal["broadcast_load"]["fraction_of_copy"] == pytest.approx(8.0 / 5.0)  # slope against slope
     assert marginal["broadcast_load"]["fraction_of_memory_copy"] == pytest.approx(4.0)
+
+
+def test_the_target_is_judged_on_the_loads_slope_against_the_copys():
+    figures = {"rows": measured_rows(), "memory_copy_gbs": 2.0}
+    bench.add_bandwidths(figures)
+    verdict = bench.target_verdict(figures)  # load slopes: tensor 2, copied 1, inline 0.2, broadcast 8 GB/s
+    assert "tensor met (40.0%" in verdict and "tensor_copied missed (20.0%" in verdict
+    assert "tensor_inline missed (4.0%" in verdict and "broadcast met (160.0%" in verdict
 
 
 def test_seconds_that_do_not_rise_with_the_bytes_give_no_marginal_bandwidth():

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles_runner.engine import tensor_shm
-from miles_runner.engine.tensor_shm import SHM_DIR, TensorSegment, on_this_host, read_segment
+from miles_runner.engine.tensor_shm import SHM_DIR, SharedTensors, TensorSegment, on_this_host, read_segment
 from miles_runner.engine.tensor_wire import deserialize_named_tensors, serialize_named_tensors
 
 pytestmark = pytest.mark.skipif(not tensor_shm.shared_memory_available(), reason="no /dev/shm on this host")
@@ -210,3 +210,90 @@ def test_a_dtype_without_a_safetensors_name_is_refused_before_anything_is_writte
     with pytest.raises(TypeError, match="send these tensors inline"):
         segment.write({"w": torch.ones(4), "z": torch.ones(2, dtype=torch.complex64)}.items())
     assert_same(read_segment(segment.name), kept)
+
+
+# ----- SharedTensors: tensors whose memory is the segment (a trainer's adapter parameters) -----
+
+
+def adapter_like() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return {"a.lora_A.weight": torch.randn(4, 16), "a.lora_B.weight": torch.randn(16, 4), "b.lora_A.weight":
+            torch.randn(4, 16)}  # fmt: skip
+
+
+def test_shared_tensors_hold_the_values_and_what_changes_in_them_is_what_an_engine_reads():
+    given = adapter_like()
+    shared = SharedTensors(given)
+    try:
+        assert_same(shared.tensors, given)
+        assert all(shared.tensors[k].data_ptr() != given[k].data_ptr() for k in given)  # moved: memory of its own
+        shared.tensors["a.lora_B.weight"].mul_(2)  # an optimizer step, in place
+        read = read_segment(tensor_shm.handle_segment_name(shared.handle))
+        assert torch.equal(read["a.lora_B.weight"], given["a.lora_B.weight"] * 2)
+        assert torch.equal(read["a.lora_A.weight"], given["a.lora_A.weight"])
+    finally:
+        shared.close()
+
+
+def test_only_the_shared_tensors_themselves_get_the_handle():
+    shared = SharedTensors(adapter_like())
+    views = shared.tensors
+    try:
+        assert shared.handle_for(dict(views)) == shared.handle
+        assert shared.handle_for({k: v.detach() for k, v in views.items()}) == shared.handle  # same memory
+        copies = {k: v.clone() for k, v in views.items()}
+        assert shared.handle_for(copies) is None
+        assert shared.handle_for({k: v for k, v in views.items() if k != "b.lora_A.weight"}) is None
+        assert shared.handle_for({**views, "b.lora_A.weight": views["a.lora_A.weight"]}) is None  # another's memory
+        square = SharedTensors({"sq": torch.randn(8, 8)})
+        try:
+            assert square.handle_for({"sq": square.tensors["sq"].t()}) is None  # same memory, other layout
+        finally:
+            square.close()
+    finally:
+        shared.close()
+    assert shared.handle_for(dict(views)) is None  # closed: its segment is gone
+
+
+def test_closing_removes_the_segment_and_the_tensors_keep_their_memory():
+    shared = SharedTensors(adapter_like())
+    path, views = shared._segment.path, shared.tensors
+    shared.close()
+    del shared
+    assert not path.exists()
+    views["a.lora_A.weight"].add_(1)  # still mapped: a closed map under them would crash here
+    assert torch.allclose(views["a.lora_A.weight"] - 1, adapter_like()["a.lora_A.weight"])
+
+
+def test_tensors_that_cannot_all_be_laid_out_in_place_are_refused_and_leave_no_segment():
+    before = set(SHM_DIR.glob(f"miles-tensors-{os.getpid()}-*"))
+    with pytest.raises(ValueError, match="cannot all be laid out in shared memory"):
+        SharedTensors({"flag": torch.tensor([True]), "w": torch.randn(3)})  # the float32 would start unaligned
+    assert set(SHM_DIR.glob(f"miles-tensors-{os.getpid()}-*")) == before
+
+
+def test_a_reader_keeps_the_views_of_an_unchanged_header_and_parses_a_changed_one(segment):
+    from miles_runner.engine.tensor_shm import SegmentReader
+
+    reader = SegmentReader()
+    try:
+        segment.write({"w": torch.ones(8), "b": torch.zeros(2)}.items())
+        with reader.borrow(segment.name) as tensors:
+            first = tensors["w"]
+        segment.write({"w": torch.full((8,), 5.0), "b": torch.ones(2)}.items())  # new values, same header
+        with reader.borrow(segment.name) as tensors:
+            assert tensors["w"] is first and torch.equal(tensors["w"], torch.full((8,), 5.0))
+        segment.write({"b": torch.full((2,), 7.0), "w": torch.ones(8)}.items())  # same size, other layout
+        with reader.borrow(segment.name) as tensors:
+            assert tensors["w"] is not first
+            assert_same(tensors, {"b": torch.full((2,), 7.0), "w": torch.ones(8)})
+        unaligned = {"flag": torch.tensor([True, False, True]), "w": torch.arange(6, dtype=torch.float32)}
+        segment.write(unaligned.items())
+        with reader.borrow(segment.name) as tensors:
+            assert_same(tensors, unaligned)
+        unaligned["w"] += 1
+        segment.write(unaligned.items())  # the same header: the copy made for the unaligned tensor is not kept
+        with reader.borrow(segment.name) as tensors:
+            assert_same(tensors, unaligned)
+    finally:
+        reader.close()

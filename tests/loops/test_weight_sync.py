@@ -129,6 +129,8 @@ def test_every_push_is_probed_on_the_engine_against_the_trainer(every_third_step
     verified = {r["step"]: r["verify/logprob_gap"] for r in records(run_dir) if "verify/logprob_gap" in r}
     assert sorted(verified) == [2, 4]  # the pushes after steps 2 and 4
     assert max(verified.values()) < 1e-4  # fp32 on both sides: the pushed adapter is the trainer's
+    # ... handed over as the trainer's own parameters, which live in shared memory the engine loads from
+    assert [r["sync/shared_memory"] for r in records(run_dir) if "sync/seconds" in r] == [1.0, 1.0]
 
 
 def test_the_final_adapter_is_the_one_the_engines_serve(every_third_step):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from miles_runner.engine import tensor_shm
 from miles_runner.engine.client import EngineClient
@@ -122,3 +123,53 @@ async def test_without_shared_memory_every_engine_gets_the_tensors_inline(client
         assert "inline_lora" in await served_adapters(client)
     finally:
         await client.unload_lora_adapter("inline_lora")
+
+
+@needs_shm
+async def test_shared_tensors_are_pushed_by_handle_with_no_copy_and_what_changes_in_them_is_served(
+    client, sync, adapters
+):
+    first, second = adapters
+    homes = sync.share(first.tensors)
+    assert homes is not None and all(homes[k].data_ptr() != first.tensors[k].data_ptr() for k in homes)
+    assert (await sync.push(homes, first.config, version=1)).shared_memory
+    assert sync._segment is None  # nothing was copied into a hand-off segment
+    assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+        await disk_logprobs(client, first.path), abs=1e-5
+    )
+    for name, home in homes.items():  # the trainer's optimizer step, in place
+        home.copy_(second.tensors[name])
+    await sync.push(homes, second.config, version=2)
+    assert sync._segment is None
+    assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+        await disk_logprobs(client, second.path), abs=1e-5
+    )
+    await sync.close()
+
+
+@needs_shm
+async def test_other_tensors_pushed_after_sharing_never_overwrite_the_shared_ones(client, sync, adapters):
+    first, second = adapters
+    homes = sync.share(second.tensors)
+    report = await sync.push(first.tensors, first.config, version=1)  # e.g. the frozen initial adapter: a copy
+    assert sync._segment is not None and not report.shared_memory
+    assert all(torch.equal(homes[k], second.tensors[k]) for k in homes)
+    assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+        await disk_logprobs(client, first.path), abs=1e-5
+    )
+    await sync.reset()  # restarted engines: the shared tensors stay shared
+    await client.unload_lora_adapter("tensor_lora")  # as a restarted engine comes back: without it
+    await sync.push(homes, second.config, version=2)
+    assert await greedy_logprobs(client, "tensor_lora") == pytest.approx(
+        await disk_logprobs(client, second.path), abs=1e-5
+    )
+    path = sync._shared._segment.path
+    await sync.close()
+    assert not path.exists() and all(torch.equal(homes[k], second.tensors[k]) for k in homes)
+
+
+async def test_nothing_is_shared_where_no_engine_reads_shared_memory(client, colocated_plan, adapters):
+    first, _ = adapters
+    inline = TensorSync([client], colocated_plan, "inline_lora", shared_memory=False)
+    assert inline.share(first.tensors) is None
+    await inline.close()

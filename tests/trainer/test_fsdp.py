@@ -162,3 +162,34 @@ def test_using_rollout_log_probs_requires_them(tiny_model_path):
     trainer = FSDPTrainer(tiny_model_path, settings)
     with pytest.raises(ValueError, match="rollout_log_probs"):
         trainer.train(group([GOOD, BAD], [1.0, 0.0]))
+
+
+def test_an_adapter_moved_into_shared_memory_trains_there_as_it_would_have_in_place(tiny_model_path):
+    from miles_runner.engine.tensor_shm import SharedTensors, handle_segment_name, read_segment
+
+    samples = group([GOOD, BAD], [1.0, 0.0])
+    kept, moved = FSDPTrainer(tiny_model_path, make_settings()), FSDPTrainer(tiny_model_path, make_settings())
+    shared = SharedTensors(moved.adapter_views())
+    try:
+        moved.move_adapter(shared.tensors)
+        assert shared.handle_for(moved.adapter_views()) == shared.handle  # the parameters are the shared tensors
+        for _ in range(2):
+            kept.train(samples)
+            moved.train(samples)
+        engine_view = read_segment(handle_segment_name(shared.handle))  # what an engine loads: the trained values
+        for name, tensor in kept.adapter_state().items():
+            assert torch.equal(engine_view[name], tensor), name
+            assert torch.equal(moved.adapter_state()[name], tensor), name
+    finally:
+        shared.close()
+
+
+def test_an_adapter_moves_only_into_homes_that_hold_its_values(trainer):
+    views = trainer.adapter_views()
+    before = {name: view.data_ptr() for name, view in views.items()}
+    wrong = {name: torch.zeros_like(view) for name, view in views.items()}
+    with pytest.raises(ValueError, match="does not hold its values"):
+        trainer.move_adapter(wrong)
+    with pytest.raises(ValueError, match="cannot move"):
+        trainer.move_adapter({name: view.clone() for name, view in list(views.items())[1:]})
+    assert {name: view.data_ptr() for name, view in trainer.adapter_views().items()} == before  # nothing moved
