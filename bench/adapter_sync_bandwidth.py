@@ -13,7 +13,7 @@ Paths, each the real sync class of the runner against one real embedded engine p
   host with a one-rank FSDP trainer: the trainer's adapter parameters live in a shared-memory segment
   (TensorSync.share) and the request carries a handle to it (engine/tensor_shm.py, the CPU analogue of SGLang's
   CUDA IPC handles): one copy, the engine's, from the trainer's memory into its adapter weights;
-- tensor copied (the same sync, for tensors that are copies: the Megatron and multi-LoRA trainers' exports):
+- tensor copied (the same sync, for tensors that are copies: the Megatron trainer's and multi-rank FSDP exports):
   each push first writes them into a hand-off segment the sync rewrites, then the engine copies them out;
 - tensor inline (TensorSync with shared_memory=False, what an engine on another host gets): the tensors travel in
   the HTTP request as base64 safetensors;
@@ -258,7 +258,7 @@ def summary(figures: dict[str, Any]) -> list[str]:
         "Copy = numpy copy of the same bytes into fresh memory. Paths: `tensor` = a handle in the request to the "
         "shared memory the trainer's parameters live in (an engine on the trainer's host, a one-rank FSDP trainer; "
         "one copy), `tensor_copied` = the same for tensors first written into a hand-off segment (the Megatron "
-        "and multi-LoRA trainers' exports; two copies), `tensor_inline` = base64 safetensors in the request (an "
+        "trainer's and multi-rank FSDP exports; two copies), `tensor_inline` = base64 safetensors in the request (an "
         "engine elsewhere), `broadcast` = gloo.",
         "",
         "| r | bytes | copy GB/s | path | push s | load s | load GB/s (% copy) |",
