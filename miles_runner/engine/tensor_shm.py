@@ -5,12 +5,13 @@ On GPUs, SGLang's tensor routes receive MultiprocessingSerializer bytes, a pickl
 never travel in the request, only handles the engine maps (same node), and the engine copies from the trainer's
 own memory. Here the tensors are a safetensors file in a segment of /dev/shm that the trainer owns: the memory its
 adapter parameters live in (SharedTensors), or a segment it rewrites for each push with tensors that are copies
-(TensorSegment); each entry of `serialized_named_tensors` is a handle naming that segment. The engine opens it (a name of this module's pattern, directly in /dev/shm, a regular file of
-its own user, not a link), copies the tensors into memory of its own (SegmentReader: the adapter's load copies
-from views of the mapped segment; read_segment: one buffer read from the file) and answers; the trainer rewrites
-the segment only for its next request, so nothing the engine keeps may point into it. The engine parses the
-safetensors header itself, since safetensors' own loaders return views of a map of the file. Engines on other
-hosts get the tensors inline (tensor_wire.py).
+(TensorSegment); each entry of `serialized_named_tensors` is a handle naming that segment. The engine opens it
+(a name of this module's pattern, directly in /dev/shm, a regular file of its own user, not a link), copies the
+tensors into memory of its own (SegmentReader: the adapter's load copies from views of the mapped segment;
+read_segment: one buffer read from the file) and answers; the trainer changes the segment only after that answer
+(its next optimizer step, or the next request's rewrite), so nothing the engine keeps may point into it. The engine
+parses the safetensors header itself, since safetensors' own loaders return views of a map of the file. Engines on
+other hosts get the tensors inline (tensor_wire.py).
 
 Handle entry: base64 of b"miles-shm:" + the segment's name. A safetensors blob starts with its header's length as 8
 little-endian bytes; b"miles-sh" read so is about 7.6e18, which no blob has, so the two kinds never meet.

@@ -93,19 +93,20 @@ async def play_episode(
 
 
 def chat_fn(ctx: RolloutContext, client: Any, before_turn: BeforeTurn | None = None):
+    from openai.types.chat import ChatCompletion
+
     params = ctx.sampling_params()
 
     async def chat(messages: list[Message]) -> str:
         if before_turn is not None and not await before_turn():
             raise EpisodeAborted("stopped before the next turn")
-        completion = await client.chat.completions.create(
-            model="default",
-            messages=messages,
-            max_tokens=params["max_new_tokens"],
-            temperature=params["temperature"],
-            top_p=params["top_p"],
-            extra_body={"top_k": params["top_k"]},  # not an OpenAI parameter; SGLang's chat request takes it
-        )
+        # The body chat.completions.create would send, through the same client and into the same ChatCompletion,
+        # without create()'s walk of every message against the SDK's typed-dict unions, which changes nothing in
+        # plain-text messages and cost 1.1 ms a call for a 4-message turn (openai 3.60; 128 turns a step).
+        body = {"messages": messages, "model": "default", "max_tokens": params["max_new_tokens"],
+                "temperature": params["temperature"], "top_p": params["top_p"],
+                "top_k": params["top_k"]}  # fmt: skip  (top_k: not OpenAI's; SGLang's chat request takes it)
+        completion = await client.post("/chat/completions", body=body, cast_to=ChatCompletion)
         choice = completion.choices[0]
         if choice.finish_reason == "abort":
             raise EpisodeAborted(f"turn {completion.id} was aborted by the engine")
