@@ -55,7 +55,9 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
             time.sleep(0.2)
         yield f"127.0.0.1:{port}", head
     finally:
-        head.stop()
+        # `ray start --block` takes over 10 s to end after SIGTERM (its GCS shuts down gracefully): the test is over,
+        # so what is left after 2 s is killed.
+        head.stop(timeout_s=2)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -107,7 +109,7 @@ def test_stopping_after_the_cluster_went_does_not_wait_on_its_gcs(tmp_path, ray_
     group = placement_group([{MARKER: 0.5}])
     ray.get(group.ready(), timeout=60)
     executor.groups = [group]
-    head.stop()  # the whole cluster goes, as under Slurm's SIGTERM
+    head.stop(timeout_s=2)  # the whole cluster goes, as under Slurm's SIGTERM (and its SIGKILL after KillWait)
     with caplog.at_level(logging.WARNING, logger="miles_runner.executors.ray"):
         executor.stop()
     assert "did not remove the placement groups within" in caplog.text
