@@ -25,9 +25,10 @@ os.environ is the requested one.
 
 Protocol (one connection per child, over a Unix socket only its owner may open): the client sends one JSON
 line {"argv", "env", "cwd", "log_path"}; the server answers {"pid": N} or {"cold": reason}, and at the child's
-end {"returncode": rc} (Popen's convention: -N for signal N). A connection closed before the child ends means
-its requester died: the server SIGKILLs the child, as PR_SET_PDEATHSIG does to a cold child. The server's own
-death kills its children the same way.
+end {"returncode": rc} (Popen's convention: -N for signal N). A null log_path means the child's stdin, stdout and
+stderr ride with the request (three descriptors, SCM_RIGHTS): `warm_exec` passes its own. A connection closed
+before the child ends means its requester died: the server SIGKILLs the child, as PR_SET_PDEATHSIG does to a cold
+child. The server's own death kills its children the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ PRELOAD = (
     "numpy", "torch", "torch.distributed", "safetensors.torch", "tokenizers", "transformers",
     "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.qwen2.modeling_qwen2", "peft",
     "fastapi", "starlette.responses", "uvicorn", "httpx", "aiohttp", "pydantic", "yaml",
+    "openai", "hydra", "omegaconf",  # a run's driver (warm_exec): its agents' client, its config composition
 )  # fmt: skip
 # Variables read at load by native code (the interpreter, the loader, libgomp, OpenBLAS, torch's C++), which the
 # server cannot watch: a request must agree with it on these. What Python code reads at import is recorded.
@@ -73,6 +75,7 @@ ITERATED_PREFIXES = ("TQDM_", "FSSPEC_")
 READ_LATER = frozenset({"PYTHONBREAKPOINT"})
 # The server's command line ends with this much padding: a child rewrites that memory with its own argv.
 ARGV_ROOM = 16384
+STDIO_FDS = 3
 READY_TIMEOUT_S = 120.0
 _PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class _Lines:
     def __init__(self, conn: socket.socket) -> None:
         self.conn = conn
         self.buffer = b""
+        self.fds: list[int] = []  # descriptors received with the request (its child's stdio)
 
     def ready(self, timeout: float | None) -> bool:
         if b"\n" in self.buffer:
@@ -135,19 +139,24 @@ class WarmChild:
         self._lines.conn.close()
 
 
-def warm_start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, log_path: Path) -> WarmChild | None:
+def warm_start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, log_path: Path | None,
+               stdio: Sequence[int] = ()) -> WarmChild | None:  # fmt: skip
     """The child forked by the warm server that `env` names, or None (then it starts cold, as usual): no
-    server named, not a runner module, or the server's answer was that this one must start cold (logged)."""
+    server named, not a runner module, or the server's answer was that this one must start cold (logged). Its
+    output goes to `log_path`, or with `log_path` None to `stdio` (the descriptors of its stdin, stdout, stderr)."""
     address = env.get(WARM_START_ENV)
     if not address or address == WARM_START_OFF or python_module(argv) is None:
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lines = _Lines(conn)
     # A cold child with no cwd of its own inherits ours; the server's is another.
-    request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd or os.getcwd()), "log_path": str(log_path)}
+    request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd or os.getcwd()),
+               "log_path": None if log_path is None else str(log_path)}  # fmt: skip
+    data = json.dumps(request).encode() + b"\n"
     try:
         conn.connect(address)
-        conn.sendall(json.dumps(request).encode() + b"\n")
+        sent = socket.send_fds(conn, [data], list(stdio)) if stdio else 0  # the descriptors ride with the start
+        conn.sendall(data[sent:])
         reply = lines.read() or {"cold": "the server closed the connection"}
     except OSError as error:
         reply = {"cold": f"the warm start server at {address} is unreachable ({error})"}
@@ -259,18 +268,18 @@ class WarmServer:
     def _on_request_data(self, conn: socket.socket) -> ChildTask | None:
         lines = self.pending[conn]
         try:
-            chunk = conn.recv(1 << 20)
+            chunk, fds, _flags, _address = socket.recv_fds(conn, 1 << 20, STDIO_FDS)
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        lines.fds += fds
         if not chunk:
             self._drop(conn)
             return None
         lines.buffer += chunk
         if b"\n" not in lines.buffer:
             return None
-        del self.pending[conn]
         try:
-            request = _checked_request(lines.read())
+            request = _checked_request(lines.read(), len(lines.fds))
             reason = self.cold_reason(request)
         except ValueError as error:
             reason = f"malformed request: {error}"
@@ -279,7 +288,8 @@ class WarmServer:
             _send(conn, {"cold": reason})
             self._drop(conn)
             return None
-        return self._fork(conn, request)
+        del self.pending[conn]
+        return self._fork(conn, request, lines.fds)
 
     def cold_reason(self, request: dict) -> str | None:
         """Why the requested child cannot be forked from here; None if it can."""
@@ -310,13 +320,14 @@ class WarmServer:
             return False
         return name in self.read or name.startswith(NATIVE_PREFIXES) or name.startswith(ITERATED_PREFIXES)
 
-    def _fork(self, conn: socket.socket, request: dict) -> ChildTask | None:
+    def _fork(self, conn: socket.socket, request: dict, stdio: list[int]) -> ChildTask | None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
         if pid == 0:
-            self._become_child(request, conn)
+            self._become_child(request, conn, stdio)
             return ChildTask(request["argv"])
+        _close_all(stdio)
         self.children[pid] = conn
         log.info("pid %d: %s", pid, " ".join(request["argv"][2:4]))
         _send(conn, {"pid": pid})
@@ -337,12 +348,13 @@ class WarmServer:
                 self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
-        self.pending.pop(conn, None)
+        if lines := self.pending.pop(conn, None):
+            _close_all(lines.fds)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
         conn.close()
 
-    def _become_child(self, request: dict, conn: socket.socket) -> None:
+    def _become_child(self, request: dict, conn: socket.socket, stdio: list[int]) -> None:
         """In the forked child: what a cold start of `request` would be, but for what was already imported."""
         server = os.getppid()
         os.setsid()  # leads its own process group, as ManagedProcess's cold children do
@@ -353,13 +365,19 @@ class WarmServer:
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _reset_logging()
         for other in [conn, *self.children.values(), *self.pending]:
             other.close()
+        for lines in self.pending.values():  # other requests' descriptors
+            _close_all(lines.fds)
         self.selector.close()
         self.listener.close()
         os.close(self.wakeup_read)
         os.close(self.wakeup_write)
-        _redirect_stdio(request["log_path"])
+        if request["log_path"] is None:
+            _adopt_stdio(stdio)
+        else:
+            _redirect_stdio(request["log_path"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update({k: v for k, v in request["env"].items() if k not in self.import_removed})
@@ -424,8 +442,9 @@ def preload(modules: Sequence[str]) -> tuple[list[str], set[str]]:
     return imported, recording.read
 
 
-def _checked_request(request: object) -> dict:
-    """The request, once it is {"argv": [str, ...], "env": {str: str}, "cwd": str, "log_path": str}; else ValueError."""
+def _checked_request(request: object, fds: int) -> dict:
+    """The request, once it is {"argv": [str, ...], "env": {str: str}, "cwd": str, "log_path": str | null} with `fds`
+    descriptors (none, or with a null log_path the child's three stdio); else ValueError."""
     if not isinstance(request, dict) or set(request) != {"argv", "env", "cwd", "log_path"}:
         raise ValueError('expected an object with exactly "argv", "env", "cwd" and "log_path"')
     argv, env = request["argv"], request["env"]
@@ -433,8 +452,11 @@ def _checked_request(request: object) -> dict:
         raise ValueError("argv must be a non-empty list of strings")
     if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
         raise ValueError("env must map names to strings")
-    if not (isinstance(request["cwd"], str) and isinstance(request["log_path"], str)):
-        raise ValueError("cwd and log_path must be strings")
+    if not (isinstance(request["cwd"], str) and isinstance(request["log_path"], str | None)):
+        raise ValueError("cwd must be a string and log_path a string or null")
+    if fds != (STDIO_FDS if request["log_path"] is None else 0):
+        raise ValueError(f"{fds} descriptors came with it: a null log_path takes {STDIO_FDS} (stdin, stdout, stderr), "
+                         "a log path none")
     return request
 
 
@@ -449,6 +471,27 @@ def _peer_uid(conn: socket.socket) -> int | None:
 def _send(conn: socket.socket, message: dict) -> None:
     with contextlib.suppress(OSError):
         conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _reset_logging() -> None:
+    """The root logger as a cold start has it: without the server's handler (main's basicConfig), whose records
+    would reach the child's stderr and which would make the child's own basicConfig a no-op."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+def _adopt_stdio(fds: Sequence[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    _close_all(fd for fd in fds if fd > 2)
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _redirect_stdio(log_path: str) -> None:

@@ -5,7 +5,6 @@ RUN_DIR/result.json says how it ended (failed, interrupted; completed: tests/cli
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from miles_runner.procs.ports import free_port_block, port_is_free
 from miles_runner.tracking.job_result import FAILED, INTERRUPTED, read_records, read_result
+from tests.drivers import runner_command
 from tests.run_files import files_named
 
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ def run_args(output_root: Path, base_port: int, *extra: str) -> list[str]:
 
 
 def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "miles_runner.cli.main", *args], cwd=cwd, text=True,
+    return subprocess.Popen(runner_command("miles_runner.cli.main", *args), cwd=cwd, text=True,
                             env={**os.environ, "WANDB_MODE": "offline"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 

@@ -24,6 +24,7 @@ from miles_runner.cli.sweep_summary import (
 )
 from miles_runner.procs.ports import free_port_block
 from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, read_records, write_result
+from tests.drivers import runner_command
 from tests.run_files import files_named
 
 pytestmark = pytest.mark.integration
@@ -127,10 +128,10 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
     empty_model.mkdir()
     port = free_port_block(2)
     done = subprocess.run(
-        [sys.executable, "-m", "miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=2",
-         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
-         f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none",
-         f"model.path={empty_model},tiny:tiny-moe:format"],
+        runner_command("miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=2",
+                       "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
+                       f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none",
+                       f"model.path={empty_model},tiny:tiny-moe:format"),
         cwd=tmp_path, capture_output=True, text=True, timeout=540)  # fmt: skip
     console = done.stdout + done.stderr
     assert done.returncode == 1, console
@@ -167,9 +168,10 @@ def test_a_plan_only_sweep_prints_no_summary(tmp_path):
 def test_ctrl_c_stops_the_whole_sweep_and_still_summarises_it(tmp_path):
     port = free_port_block(2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=50",
-         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
-         f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none", "optimizer.lr=0.1,0.2"],
+        runner_command("miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=50",
+                       "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
+                       f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none",
+                       "optimizer.lr=0.1,0.2"),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while not any(read_records(m.parent) for m in files_named(tmp_path / "out", "metrics.jsonl")):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import plan_to_dict
 from miles_runner.plan.secrets import MissingSecretError
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.drivers import runner_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
@@ -68,7 +68,7 @@ def test_the_key_is_refused_before_anything_starts_when_its_variable_is_unset(tm
 
 def miles_run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     environ = {**{k: v for k, v in os.environ.items() if k != KEY_ENV}, "WANDB_MODE": "offline", **env}
-    return subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], cwd=cwd, env=environ,
+    return subprocess.run(runner_command("miles_runner.cli.main", *args), cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 

@@ -4,12 +4,12 @@ learning proofs of each trainer backend (test_learning.py: FSDP, test_learning_m
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.drivers import runner_command
 from tests.run_files import files_named
 
 WINDOW = 10
@@ -18,9 +18,8 @@ MARGIN = 0.06
 
 def recipe_command(root: Path, *overrides: str, recipe: str = "tiny_lora_agentic") -> list[str]:
     """miles-run's command line for the recipe's run under `root`, on free ports (up to two engines)."""
-    return [sys.executable, "-m", "miles_runner.cli.main", f"+recipe={recipe}", f"run.output_root={root}",
-            "logger=none", f"engine.base_port={free_port_block(2)}", f"session.port={free_port()}",
-            *overrides]  # fmt: skip
+    return runner_command("miles_runner.cli.main", f"+recipe={recipe}", f"run.output_root={root}", "logger=none",
+                          f"engine.base_port={free_port_block(2)}", f"session.port={free_port()}", *overrides)
 
 
 def run_env(*, fault: bool) -> dict[str, str]:

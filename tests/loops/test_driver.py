@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.drivers import runner_command
 from tests.run_files import files_named
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def run_args(output_root: Path, steps: int, *extra: str) -> list[str]:
 
 def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.Popen([sys.executable, "-m", "miles_runner.cli.main", *args], cwd=cwd, env=env,
+    return subprocess.Popen(runner_command("miles_runner.cli.main", *args), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

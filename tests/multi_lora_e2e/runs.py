@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles_runner.procs.ports import free_port
+from tests.drivers import runner_command
 
 TOKEN = "e2e-token"
 
@@ -36,7 +36,7 @@ def plan_run(output_root: Path, *overrides: str) -> Path:
 def start_driver(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN}
     return subprocess.Popen(
-        [sys.executable, "-m", "miles_runner.loops.run", str(run_dir), *extra],
+        runner_command("miles_runner.loops.run", str(run_dir), *extra),
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

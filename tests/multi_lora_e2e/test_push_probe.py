@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
 from miles_runner.procs.ports import free_port
+from tests.drivers import runner_command
 
 from .runs import TOKEN, events
 
@@ -24,7 +24,7 @@ def test_a_frozen_adapter_stops_a_multi_lora_run_at_its_first_push_after_a_step(
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN, FREEZE_ROLLOUT_ADAPTER: "1"}
     args = ["+recipe=tiny_multi_lora", f"engine.base_port={free_port()}", f"adapters.api_port={free_port()}",
             f"run.output_root={tmp_path}", "logger=none"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True,
+    done = subprocess.run(runner_command("miles_runner.cli.main", *args), env=env, capture_output=True,
                           text=True, timeout=880)  # fmt: skip
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     [error] = [line for line in done.stderr.splitlines() if "SyncVerificationError: iteration" in line]

@@ -178,7 +178,8 @@ def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, serv
     good = {"argv": [sys.executable, "-m", PROBE], "env": {}, "cwd": str(REPO), "log_path": "/dev/null"}
     malformed = [b"not json\n", b'{"argv": 3}\n', b"[]\n", b"\xff\n"] + [
         json.dumps({**good, field: value}).encode() + b"\n"
-        for field, value in (("env", "x"), ("env", {"A": 1}), ("argv", []), ("argv", [1]), ("cwd", None))
+        for field, value in (("env", "x"), ("env", {"A": 1}), ("argv", []), ("argv", [1]), ("cwd", None),
+                             ("log_path", 3))
     ]
     for garbage in malformed:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -188,3 +189,57 @@ def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, serv
         assert "malformed request" in reply["cold"], (garbage, reply)
     process = probe(tmp_path, "after", "0", server_socket).start()
     assert isinstance(process._popen, WarmChild) and process._popen.wait(60) == 0
+
+
+def through_warm_exec(tmp_path: Path, name: str, code: str, warm_socket: str) -> subprocess.Popen:
+    """The probe's command behind `python -m miles_runner.procs.warm_exec`, with pipes, as a test starts a run."""
+    command = [sys.executable, "-m", "miles_runner.procs.warm_exec", sys.executable, "-m", PROBE,
+               str(tmp_path / f"{name}.json"), code]  # fmt: skip
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO,
+                            env={**os.environ, WARM_START_ENV: warm_socket})  # fmt: skip
+
+
+def test_warm_exec_runs_the_command_warm_with_its_own_pipes_and_exit_code(tmp_path, server_socket):
+    started = through_warm_exec(tmp_path, "piped", "5", server_socket)
+    out, err = started.communicate(timeout=60)
+    assert started.returncode == 5 and err == ""
+    [line] = out.splitlines()  # the child's stdout is the caller's pipe
+    assert line.startswith("probe ") and int(line.split()[1]) != started.pid  # forked by the server, not exec'd
+    view = seen(tmp_path, "piped")
+    assert view["cmdline"][1:3] == ["-m", PROBE] and not view["stdin_is_devnull"]  # the caller's stdin too
+
+
+def test_warm_exec_passes_signals_on_and_ends_as_its_command_does(tmp_path, server_socket):
+    started = through_warm_exec(tmp_path, "signalled", "wait", server_socket)
+    seen(tmp_path, "signalled")
+    child = int(started.stdout.readline().split()[1])
+    started.send_signal(signal.SIGTERM)
+    assert started.wait(30) == -signal.SIGTERM
+    assert gone(child)
+
+
+def test_warm_exec_killed_takes_its_command_with_it(tmp_path, server_socket):
+    started = through_warm_exec(tmp_path, "orphaned", "wait", server_socket)
+    seen(tmp_path, "orphaned")
+    child = int(started.stdout.readline().split()[1])
+    started.kill()
+    started.wait(30)
+    assert gone(child), "the command outlived warm_exec"
+
+
+def test_warm_exec_without_a_server_becomes_its_command(tmp_path):
+    started = through_warm_exec(tmp_path, "exec", "4", "off")
+    out, _ = started.communicate(timeout=60)
+    assert started.returncode == 4 and int(out.split()[1]) == started.pid  # the same process: exec'd cold
+
+
+def test_a_request_without_its_log_path_must_bring_three_descriptors(server_socket):
+    request = {"argv": [sys.executable, "-m", PROBE, "/dev/null", "0"], "env": {}, "cwd": str(REPO),
+               "log_path": None}  # fmt: skip
+    for fds in ([], [0]):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(server_socket)
+            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+            reply = json.loads(conn.makefile("rb").readline())
+        assert "malformed request" in reply["cold"] and f"{len(fds)} descriptors" in reply["cold"], reply

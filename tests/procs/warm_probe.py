@@ -2,6 +2,7 @@
 line to its log, then exits with CODE, or with CODE "wait" waits for a signal (tests/procs/test_warm.py)."""
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ def seen() -> dict:
         "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\0").decode().split("\0"),
         "signals": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)],
         "threads": threading.active_count(),
+        "root_logging": [logging.root.level, len(logging.root.handlers)],  # not the server's basicConfig
         "numpy_draw": float(np.random.random()),
         "main_has_only_its_own_names": "WarmServer" not in sys.modules["__main__"].__dict__,
     }

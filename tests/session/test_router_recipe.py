@@ -13,12 +13,12 @@ twin `tiny_r3_session` (same settings; tests/trainer/test_r3_recipe.py runs it s
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from miles_runner.procs.ports import free_port, free_port_block
+from tests.drivers import runner_command
 from tests.loops.test_learning import MARGIN, gain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -29,7 +29,7 @@ def test_the_router_recipe_runs_learns_and_spreads_sessions_over_both_engines(tm
     args = ["+recipe=tiny_lora_agentic_router", f"run.output_root={tmp_path}", "logger=none",
             f"engine.base_port={free_port_block(ENGINES)}", f"session.port={free_port()}",
             f"router.port={free_port()}", f"router.metrics_port={free_port()}"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], capture_output=True, text=True,
+    done = subprocess.run(runner_command("miles_runner.cli.main", *args), capture_output=True, text=True,
                           timeout=2350, env={**os.environ, "WANDB_MODE": "disabled"})  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [run_dir] = {path.parent for path in tmp_path.rglob("plan.yaml")}
