@@ -89,7 +89,8 @@ def warm_start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.T
 
     folder = Path(tempfile.mkdtemp(prefix="miles-warm-"))  # short: a Unix socket's path has at most 107 bytes
     log_path = tmp_path_factory.getbasetemp() / f"warm-start-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
-    server = start_warm_server(folder / "warm.sock", log_path)
+    # The runner's modules, and the tests' own (worker ranks: tests/trainer/ranks_helper.py).
+    server = start_warm_server(folder / "warm.sock", log_path, "--modules", "miles_runner.", "tests.")
     os.environ["MILES_WARM_START"] = str(folder / "warm.sock")
     try:
         yield

@@ -87,6 +87,26 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[object]:
+    """One simulated 2-node cluster for the module (a Ray cluster start is several seconds of CPU): each test gets
+    it with every resource free again, so a test that leaked one fails the next. The node-loss test, which removes
+    node 1, comes last."""
+    with simulated_cluster(nodes=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(two_nodes: object) -> Iterator[object]:
+    import ray
+
+    deadline = time.monotonic() + 30  # a placement group removed at the previous test's end frees its share soon
+    while (free := ray.available_resources()) != (total := ray.cluster_resources()):
+        assert time.monotonic() < deadline, f"the previous test left resources taken: {total} total, {free} free"
+        time.sleep(0.2)
+    yield two_nodes
+
+
 def ray_node_of(resource: str) -> str:
     import ray
 
@@ -130,13 +150,12 @@ def nothing_left(plan: Plan, run_dir: Path, also: Sequence[int] = (), timeout_s:
 
 
 @pytest.mark.timeout(300)
-def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent_is_named(tmp_path):
+def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent_is_named(tmp_path, cluster):
     import ray
 
     plan = plan_of(*TWO_NODES)
     assert [e.launch.host for e in plan.engines] == ["{node0}", "{node1}"]
     with (
-        simulated_cluster(nodes=2),
         pytest.raises(NodeLostError) as lost,
         RayExecutor(plan, tmp_path, startup_timeout_s=180) as deployment,
     ):
@@ -171,15 +190,14 @@ def sleeper() -> Launch:
 
 
 @pytest.mark.timeout(180)
-def test_a_cluster_without_a_planned_node_or_its_slots_fails_fast_naming_what_is_missing(tmp_path):
+def test_a_cluster_without_a_planned_node_or_its_slots_fails_fast_naming_what_is_missing(tmp_path, cluster):
     three_nodes = plan_of("cluster.nodes=3", "cluster.cpu_slots_per_node=1", "executor=ray",
                           "topology.actor_num_nodes=2")  # fmt: skip
     two_slots_each = plan_of(*TWO_NODES, "cluster.cpu_slots_per_node=2", "topology.actor_num_gpus_per_node=2")
-    with simulated_cluster(nodes=2, cpus_per_node=1):
-        with pytest.raises(ClusterNodesError) as missing:
-            RayExecutor(three_nodes, tmp_path, startup_timeout_s=30).start()
-        with pytest.raises(ClusterNodesError) as too_small:  # the nodes are there, with one CPU each
-            RayExecutor(two_slots_each, tmp_path, startup_timeout_s=5).start()
+    with pytest.raises(ClusterNodesError) as missing:
+        RayExecutor(three_nodes, tmp_path, startup_timeout_s=30).start()
+    with pytest.raises(ClusterNodesError) as too_small:  # the nodes are there, with one CPU each
+        RayExecutor(two_slots_each, tmp_path, startup_timeout_s=5).start()
     assert missing.value.component == "ray cluster"
     assert "node 2 (miles_node_2)" in missing.value.reason and "node 1" not in missing.value.reason
     assert "trainer+engines placement group" in too_small.value.reason and "within 5 s" in too_small.value.reason
@@ -197,13 +215,12 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(1200)
-def test_the_glm52_shaped_plan_runs_on_two_nodes_with_the_same_result_as_on_one(tmp_path):
+def test_the_glm52_shaped_plan_runs_on_two_nodes_with_the_same_result_as_on_one(tmp_path, cluster):
     steps = ["algorithm.num_steps=2"]
     one = plan_of(*ONE_NODE, *steps)
     one_records = run(one, tmp_path / "one", [*SHAPE, *ONE_NODE, *steps])
     two = plan_of(*TWO_NODES, *steps)
-    with simulated_cluster(nodes=2):
-        two_records = run(two, tmp_path / "two", [*SHAPE, *TWO_NODES, *steps])
+    two_records = run(two, tmp_path / "two", [*SHAPE, *TWO_NODES, *steps])
     nothing_left(two, tmp_path / "two")
 
     assert [r["step"] for r in two_records] == [0, 1]
@@ -223,24 +240,23 @@ def test_the_glm52_shaped_plan_runs_on_two_nodes_with_the_same_result_as_on_one(
 
 
 @pytest.mark.timeout(600)
-def test_a_node_lost_mid_run_fails_the_run_naming_it_and_leaves_nothing_running(tmp_path):
+def test_a_node_lost_mid_run_fails_the_run_naming_it_and_leaves_nothing_running(tmp_path, cluster):
     overrides = [*SHAPE, *TWO_NODES, "algorithm.num_steps=50"]
     plan = plan_of(*TWO_NODES, "algorithm.num_steps=50")
     run_dir = tmp_path / "run"
-    with simulated_cluster(nodes=2) as cluster:
-        [worker] = list(cluster.worker_nodes)
+    [worker] = list(cluster.worker_nodes)
 
-        def remove_node_after_the_first_step() -> None:
-            metrics = run_dir / "metrics.jsonl"
-            while not (metrics.exists() and metrics.read_text().strip()):
-                time.sleep(0.2)
-            cluster.remove_node(worker, allow_graceful=False)  # node 1: its raylet, agent and workers die
+    def remove_node_after_the_first_step() -> None:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.2)
+        cluster.remove_node(worker, allow_graceful=False)  # node 1: its raylet, agent and workers die
 
-        fault = threading.Thread(target=remove_node_after_the_first_step, daemon=True)
-        fault.start()
-        with pytest.raises(ComponentFailure) as failure:
-            run(plan, run_dir, overrides)
-        fault.join(timeout=60)
+    fault = threading.Thread(target=remove_node_after_the_first_step, daemon=True)
+    fault.start()
+    with pytest.raises(ComponentFailure) as failure:
+        run(plan, run_dir, overrides)
+    fault.join(timeout=60)
     assert failure.value.component == "node1", failure.value.report()
     assert "engine1" in failure.value.reason and "trainer1" in failure.value.reason
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0

@@ -1,8 +1,8 @@
 """One rank of the FSDP2 (gloo) test: train one step, write the full adapter from rank 0.
 
-Run as a script (its folder is then on sys.path), with the torchrun environment variables set; an optional third
-argument is JSON: TrainerSettings overrides, with "algorithm" holding AlgorithmConfig overrides and "responses"
-replacing RESPONSES.
+Run as `python -m tests.trainer.fsdp_worker` from the repository root, with the torchrun environment variables set;
+an optional third argument is JSON: TrainerSettings overrides, with "algorithm" holding AlgorithmConfig overrides
+and "responses" replacing RESPONSES.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from settings import make_settings
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.fsdp import FSDPTrainer
+from tests.trainer.settings import make_settings
 
 PROMPT = [1, 60, 61, 62, 63, 4]
 RESPONSES = ([70, 71, 2], [90, 91, 2], [70, 2], [91, 2])

@@ -8,9 +8,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from parity_case import run_case
 
 from miles_runner.trainer.megatron.parallel import Layout
+from tests.trainer.megatron.parity_case import run_case
 
 
 def main(out_file: str, cases: str) -> None:

@@ -8,19 +8,18 @@ real (rows split over the DP ranks, grads summed), see parity_case.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from miles_runner.trainer.megatron.parallel import Layout
+from tests.trainer.ranks_helper import run_ranks
 
 from .parity_case import REAL, WIDTH, run_case
-from .ranks_helper import run_ranks
 
 pytestmark = pytest.mark.integration
 
-WORKER = Path(__file__).with_name("parity_worker.py")
+WORKER = "tests.trainer.megatron.parity_worker"
 LAYOUTS = {
     "dense dp2": ("dense", {}),
     "dense tp2": ("dense", {"tp": 2}),

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from .ranks_helper import run_ranks
+from tests.trainer.ranks_helper import run_ranks
 
 pytestmark = pytest.mark.integration
 
-WORKER = Path(__file__).with_name("raw_lora_worker.py")
+WORKER = "tests.trainer.megatron.raw_lora_worker"
 TWO_RANK_CASES = [
     {"name": "dense_tp2_sp", "model": "tiny-dense", "layout": {"tp": 2, "sp": True}},
     {"name": "dense_tp2", "model": "tiny-dense", "layout": {"tp": 2}},

@@ -4,17 +4,17 @@ batch), and TP=2 + EP=2 with sequence parallelism (both ranks the whole batch)."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from .ranks_helper import run_ranks
+from tests.trainer.ranks_helper import run_ranks
+
 from .test_trainer import megatron, samples, settings_from
 
 pytestmark = pytest.mark.integration
 
-WORKER = Path(__file__).with_name("trainer_worker.py")
+WORKER = "tests.trainer.megatron.trainer_worker"
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: `tests` as a package
-
 from miles_runner.trainer.megatron import parallel
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
 from tests.trainer.megatron.test_trainer import samples, settings_from

@@ -6,7 +6,6 @@ save_hf_adapter. ``replay``: every forward routes as parity_case.random_routes s
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -14,11 +13,7 @@ import torch
 from miles_runner.core.adapters import AdapterSpec
 from miles_runner.trainer.megatron import parallel
 
-if __package__:
-    from ..parity_case import batch, random_routes, token_log_prob_sum
-else:  # imported by bridge_worker.py, run as a script: parity_case is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from parity_case import batch, random_routes, token_log_prob_sum
+from ..parity_case import batch, random_routes, token_log_prob_sum
 
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_TARGETS = [*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bridge_case import run_case
 
 from miles_runner.trainer.megatron.parallel import Layout
+from tests.trainer.megatron.bridge.bridge_case import run_case
 
 
 def main(out_dir: str, cases: str) -> None:

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..ranks_helper import run_ranks
+from tests.trainer.ranks_helper import run_ranks
+
 from .bridge_case import ATTENTION_TARGETS, batch
 
-WORKER = Path(__file__).with_name("bridge_worker.py")
+WORKER = "tests.trainer.megatron.bridge.bridge_worker"
 PARITY_CASES = [  # (case, the one_rank reference)
     ({"name": "dense_tp2", "model": "tiny-dense", "layout": {"tp": 2}}, "tiny-dense"),
     ({"name": "dense_tp2_sp", "model": "tiny-dense", "layout": {"tp": 2, "sp": True}}, "tiny-dense"),
