@@ -18,7 +18,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -146,43 +145,14 @@ def one_process(configs: dict[str, list[str]], samples: list[Any], steps: int) -
 
 def two_process(overrides: list[str], steps: int, timeout_s: float = 900) -> dict[str, list[float]]:
     """Rank 0's step times of a 2-process gloo world running `--rank-worker` (the ranks step in lockstep)."""
-    from miles_runner.procs.ports import LOOPBACK, free_port
+    from miles_testkit.ranks import run_ranks
 
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="megatron-step-") as work:
         out = Path(work) / "rank0.json"
-        procs, logs = [], []
-        for rank in range(2):
-            env = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank),
-                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}  # fmt: skip
-            log = Path(work) / f"rank{rank}.log"
-            logs.append(log)
-            argv = [sys.executable, "-m", "bench.megatron_step_time", "--rank-worker", json.dumps(overrides),
-                    "--steps", str(steps), "--out", str(out)]  # fmt: skip
-            with log.open("wb") as sink:
-                procs.append(subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT))
-        codes = wait_all(procs, timeout_s)
-        if codes != [0, 0]:
-            tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{log.read_text(errors='replace')[-3000:]}"
-                              for r, (c, log) in enumerate(zip(codes, logs, strict=True)))  # fmt: skip
-            raise RuntimeError(f"two-process step timing {overrides} failed\n{tails}")
+        argv = [sys.executable, "-m", "bench.megatron_step_time", "--rank-worker", json.dumps(overrides),
+                "--steps", str(steps), "--out", str(out)]  # fmt: skip
+        run_ranks(argv, 2, timeout_s, f"two-process step timing {overrides}")
         return json.loads(out.read_text())
-
-
-def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Exit codes; one failed rank (the other would hang in a collective) or the timeout kills the rest."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs]
 
 
 def rank_worker(overrides: list[str], steps: int, out: Path) -> None:
