@@ -4,7 +4,7 @@ warm start server that MILES_WARM_START names (procs/warm.py), with this process
 This process stands in for it: the signals it gets go to the command, and it exits as the command does (a command
 ended by signal N ends it by signal N). Killed itself (SIGKILL), its connection closes and the server kills the
 command. Where the command cannot start warm, this process becomes it (exec), as a cold start. A caller that
-starts runs over and over (the test suite: a driver imports torch, transformers and the rest, about 4 s of CPU)
+starts runs over and over (the test suite: a cold driver spends about 3.3 s of CPU importing torch and the rest)
 puts this in front of the command and changes nothing else: pipes, Popen.send_signal and exit codes all hold.
 """
 
