@@ -176,13 +176,28 @@ def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent
         rank = deployment.remote_ranks.start_rank("trainer1", 1, sleeper())
         rank_pid = ray.get(agents[1].actor.pids.remote())["trainer1"]
         assert rank.alive and parent_pid(rank_pid) == agent_pids[1]
-        # Injected fault: node 1's agent dies; the run fails somewhere (here: at once), and the executor names
-        # the lost node instead of that symptom.
+        # Injected fault: node 1's agent dies; the run then fails somewhere (here: as soon as the agent is gone,
+        # ray.kill being asynchronous), and the executor names the lost node instead of that symptom.
         ray.kill(agents[1].actor)
+        wait_gone(agents[1].actor)
         raise RuntimeError("a rollout failed: engine1 refused the connection")
     assert lost.value.component == "node1", lost.value.report()
     assert "engine1, trainer1" in lost.value.reason
     nothing_left(plan, tmp_path, also=[rank_pid])
+
+
+def wait_gone(actor: object, timeout_s: float = 30) -> None:
+    """Until a killed actor answers no more (its calls fail with RayActorError)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.where.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answers after {timeout_s:.0f} s")
 
 
 def sleeper() -> Launch:
