@@ -17,11 +17,13 @@ the model's tokenizer (else the server does not start).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from jinja2 import TemplateError
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from miles_runner.core.tito_families import TITO_FAMILIES, TitoFamily, tito_family
 from miles_runner.session.errors import MessageValidationError
@@ -53,6 +55,7 @@ class TitoTokenizer:
         template = self.spec.template_file
         self.chat_template = (TEMPLATES / template).read_text() if template else None  # None: the model's own
         self.allowed_append_roles = ALL_APPEND_ROLES if self.spec.append_assistant else ALLOWED_APPEND_ROLES
+        self._own_parameters = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
 
     @classmethod
     def from_model_path(cls, model_path: str | Path, family: str = "default") -> TitoTokenizer:
@@ -82,18 +85,34 @@ class TitoTokenizer:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any],
     ) -> str:
+        """`tokenizer.apply_chat_template(messages, tokenize=False, ...)`, as SGLang renders a chat request."""
+        kwargs = self.template_kwargs(template_kwargs)
         try:
-            return self.tokenizer.apply_chat_template(
-                template_view(messages),
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                chat_template=self.chat_template,
-                **self.template_kwargs(template_kwargs),
-            )
+            if kwargs.keys() & self._own_parameters:  # e.g. tokenize, documents: SGLang passes them on to the method
+                return self.tokenizer.apply_chat_template(
+                    template_view(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    chat_template=self.chat_template, **kwargs,
+                )  # fmt: skip
+            return self._render_plain(messages, tools, add_generation_prompt, kwargs)
         except (TemplateError, TypeError, ValueError, KeyError) as error:
             # A template that cannot render the request is the request's problem (a 400), not a crash.
             raise MessageValidationError(f"the chat template cannot render the messages: {error}") from error
+
+    def _render_plain(
+        self, messages: Sequence[Message], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> str:
+        """apply_chat_template less its first pass, which turns message objects into dicts and drops None-valued keys:
+        ours are plain JSON already (messages.py), and that walk was 40% of a render, three of which a turn makes
+        (merge_tokens). What the template sees still goes through render_jinja_template's sanitising copy; the two
+        are held equal by tests/session/test_tito_render.py."""
+        conversation = [{key: value for key, value in m.items() if value is not None} for m in template_view(messages)]
+        if not conversation:
+            raise ValueError("Cannot apply chat template to an empty conversation.")
+        [text], _ = render_jinja_template(
+            [conversation], tools=tools, chat_template=self.tokenizer.get_chat_template(self.chat_template, tools),
+            add_generation_prompt=add_generation_prompt, **{**self.tokenizer.special_tokens_map, **kwargs},
+        )  # fmt: skip
+        return text
 
     def encode(self, text: str) -> list[int]:
         """`tokenizer.encode(text, add_special_tokens=False)`, as SGLang tokenizes a prompt."""
