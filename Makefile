@@ -84,11 +84,12 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
 # --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
-# 13:03-13:27 for the main suite, 13:51-14:17 with the Megatron-Bridge tests; three workers gave 15:10 against
-# 15:15-15:40, no gain on a CPU-bound suite). The components, drivers and worker ranks the tests start fork from a
-# warm start server per worker (tests/conftest.py, tests/drivers.py). Each test file stays on one worker (--dist
-# loadfile), so a module's shared run or server starts once and the local Slurm cluster (tests/slurm, one file) has
-# one owner; files with slow tests go first (tests/conftest.py; --no-loadscope-reorder keeps that order).
+# 12:03-12:33 for the main suite, 12:50-13:21 with the Megatron-Bridge tests, 1,299-1,317 CPU-s; three workers: 11:48
+# and 12:36, but 8% more CPU and the longest tests 40-50% slower, too thin a gain for the timeouts' margin). The
+# components, drivers and worker ranks the tests start fork from a warm start server per worker (tests/conftest.py,
+# tests/drivers.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or server starts
+# once and the local Slurm cluster (tests/slurm, one file) has one owner; the Slurm file and then files with slow
+# tests go first (tests/conftest.py; --no-loadscope-reorder keeps that order).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: layers sglang-spec bridge-env tiny-models bytecode
