@@ -26,6 +26,10 @@ from miles_runner.plan.secrets import fill_secrets
 from miles_runner.procs.warm import WARM_START_ENV, WarmChild, server_argv, wait_ready, warm_start
 
 LOG_TAIL_LINES = 40
+# Health polls are frequent for the first seconds, then every _POLL_S: a forked (warm) server is healthy after about
+# 0.2 s, which polls every 0.2 s noticed up to 0.2 s late (0.23-0.64 s, median 0.34), and a refused connection costs
+# next to nothing.
+_FAST_POLL_S, _FAST_POLL_FOR_S = 0.05, 2.0
 _POLL_S = 0.2
 _TAIL_BYTES = 64 * 1024
 _PROC = Path("/proc")
@@ -111,7 +115,8 @@ class ManagedProcess:
         """Block until `health_url` answers 200; on early exit or timeout stop the group and raise."""
         if self._popen is None:
             raise RuntimeError(f"{self.name} was never started")
-        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        deadline = started + self.startup_timeout_s
         with httpx.Client(timeout=self.health_timeout_s, trust_env=False) as http:
             while True:
                 if not self.alive:
@@ -120,7 +125,7 @@ class ManagedProcess:
                     return
                 if time.monotonic() >= deadline:
                     raise self.start_failed(f"was not healthy at {self.health_url} within {self.startup_timeout_s:g} s")
-                time.sleep(_POLL_S)
+                time.sleep(_FAST_POLL_S if time.monotonic() - started < _FAST_POLL_FOR_S else _POLL_S)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL what is left after `timeout_s`; returns the exit code."""
