@@ -119,14 +119,39 @@ class NodeAgentBody:
         return self.executor.dead_components() if self.executor else []
 
 
+def agent_gone_errors() -> tuple[type[BaseException], ...]:
+    """What a call on a node agent raises once the agent, or its node, is gone (or answers no more)."""
+    import ray
+
+    return ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.GetTimeoutError
+
+
 @dataclass
 class AgentHandle:
-    """The driver's view of one node agent."""
+    """The driver's view of one node agent. `lost` is the error of the first call that found it gone: later calls
+    fail at once with it, instead of each waiting for Ray to give up on a node it has not yet declared dead (about
+    5 s a call while Ray retries the address of a removed node)."""
 
     node: int
     actor: Any
     address: str = ""
     node_id: str = ""
+    lost: BaseException | None = None
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = AGENT_CALL_TIMEOUT_S) -> Any:
+        """The agent's `method(*args)`, waited for; raises the agent-gone error (remembered) if it is gone."""
+        return self.wait(getattr(self.actor, method).remote(*args), timeout_s)
+
+    def wait(self, ref: Any, timeout_s: float | None = AGENT_CALL_TIMEOUT_S) -> Any:
+        import ray
+
+        if self.lost is not None:
+            raise self.lost
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except agent_gone_errors() as error:
+            self.lost = error
+            raise
 
 
 class RemoteRank:
@@ -142,8 +167,8 @@ class RemoteRank:
         if not ray.is_initialized():  # the run's Ray is gone, and the agents with it
             return False, None
         try:
-            return ray.get(self.agent.actor.process_state.remote(self.name), timeout=AGENT_CALL_TIMEOUT_S)
-        except Exception:  # the agent is gone (killed, or its node left): so is its rank
+            return self.agent.call("process_state", self.name)
+        except agent_gone_errors():  # the agent is gone (killed, or its node left): so is its rank
             return False, None
 
     @property
@@ -160,8 +185,8 @@ class RemoteRank:
         if not ray.is_initialized():
             return None
         try:
-            return ray.get(self.agent.actor.stop_process.remote(self.name), timeout=AGENT_CALL_TIMEOUT_S)
-        except Exception:  # the agent is gone, and its processes died with it
+            return self.agent.call("stop_process", self.name)
+        except agent_gone_errors():  # the agent is gone, and its processes died with it
             return None
 
 
@@ -173,10 +198,9 @@ class AgentRanks:
         self.master_address = agents[0].address
 
     def start_rank(self, name: str, node: int, launch: Launch) -> RemoteRank:
-        import ray
 
         agent = self.agents[node]
-        ray.get(agent.actor.start_process.remote(name, launch), timeout=AGENT_CALL_TIMEOUT_S)
+        agent.call("start_process", name, launch)
         return RemoteRank(agent, name, self.run_dir / "logs" / f"{name}.log")
 
 
@@ -330,9 +354,8 @@ class RayExecutor(Executor):
         return infos[0]
 
     def _pids(self, agent: AgentHandle) -> dict[str, int | None]:
-        import ray
 
-        return ray.get(agent.actor.pids.remote(), timeout=AGENT_CALL_TIMEOUT_S)
+        return agent.call("pids")
 
     def _gather(self, refs: list[Any], agents: list[AgentHandle], timeout: float | None = AGENT_CALL_TIMEOUT_S) -> list:
         """Every agent's answer; a component's failure raised in an agent is raised as is, a lost agent as a
@@ -342,7 +365,7 @@ class RayExecutor(Executor):
         answers = []
         for ref, agent in zip(refs, agents, strict=True):
             try:
-                answers.append(ray.get(ref, timeout=timeout))
+                answers.append(agent.wait(ref, timeout))
             except ray.exceptions.RayTaskError as error:
                 raise (error.cause if isinstance(error.cause, ComponentFailure) else error) from None
             except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as error:
@@ -370,13 +393,12 @@ class RayExecutor(Executor):
 
     def dead_components(self) -> list[ComponentFailure]:
         """The dead components of every node; a node whose agent is gone is one failure naming that node."""
-        import ray
 
         dead: list[ComponentFailure] = []
         for agent in self.agents:
             try:
-                dead += ray.get(agent.actor.dead_components.remote(), timeout=AGENT_CALL_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.GetTimeoutError) as e:
+                dead += agent.call("dead_components")
+            except agent_gone_errors() as e:
                 dead.append(self.node_lost(agent, e))
         return dead
 
@@ -400,10 +422,10 @@ class RayExecutor(Executor):
     def _stop_agents(self) -> None:
         import ray
 
-        stops = [agent.actor.stop.remote() for agent in self.agents]
+        stops = [agent.actor.stop.remote() if agent.lost is None else None for agent in self.agents]
         for agent, ref in zip(self.agents, stops, strict=True):
             try:
-                ray.get(ref, timeout=AGENT_CALL_TIMEOUT_S)
+                agent.wait(ref)
             except Exception as error:  # a lost agent took its processes with it: go on
                 logger.warning("node agent %d did not stop cleanly: %s", agent.node, error)
             ray.kill(agent.actor)

@@ -183,6 +183,12 @@ def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent
         raise RuntimeError("a rollout failed: engine1 refused the connection")
     assert lost.value.component == "node1", lost.value.report()
     assert "engine1, trainer1" in lost.value.reason
+    # The handle remembers its agent is gone: a later call raises that error at once, with no call to Ray that
+    # would wait for it to give up on the node (the executor's stop, the rank's liveness and stop all ask again).
+    assert isinstance(agents[1].lost, ray.exceptions.RayActorError) and agents[0].lost is None
+    with pytest.raises(ray.exceptions.RayActorError) as again:
+        agents[1].call("pids")
+    assert again.value is agents[1].lost
     nothing_left(plan, tmp_path, also=[rank_pid])
 
 
