@@ -12,8 +12,11 @@ A turn that comes back aborted (finish_reason "abort": the engine cut it short) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import httpx
 
 from miles_runner.engine.client import http_client
 from miles_runner.plugins.tasks import Message, Prompt
@@ -85,8 +88,13 @@ async def play_episode(
         if reply.status_code != 200:
             raise RuntimeError(f"session {session_id}: /samples answered {reply.status_code}: {reply.text}")
         [sample] = decode_samples(reply.content).samples
-    finally:
-        await clients.http.delete(f"/sessions/{session_id}")
+    except BaseException:
+        # The episode's own error (a cancel, a server gone) is the one to raise: a session server that is gone
+        # would fail the delete too, and that error would replace it.
+        with contextlib.suppress(httpx.HTTPError):
+            await clients.http.delete(f"/sessions/{session_id}")
+        raise
+    await clients.http.delete(f"/sessions/{session_id}")
     sample.reward = ctx.reward(prompt, episode.replies)
     sample.metadata.update(prompt_index=prompt.index, label=prompt.label, turns=len(episode.replies))
     return sample

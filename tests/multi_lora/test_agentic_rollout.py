@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import uvicorn
 
 from miles_runner.config.compose import compose
 from miles_runner.core.adapters import rid_prefix
@@ -237,6 +238,28 @@ async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(se
     assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them
     # No adapter slot's "name::uuid" rid (each turn has the session server's own plain rid, for aborts).
     assert not any("::" in body.get("rid", "") for body in session_server.upstream)
+
+
+async def test_an_episode_that_fails_with_its_session_server_gone_raises_its_own_error(
+    engine_url, model_dir, workers, plan, tito
+):
+    """A stop (Slurm's SIGTERM) takes the session server away mid-episode: the episode's session delete then fails
+    too, and the episode's own error, not that one, is what the rollout raises."""
+    app = create_app(SessionServerConfig(engine_url=engine_url, model_path=str(model_dir)), tito)
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=free_port(), log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    await eventually(lambda: server.started)
+
+    async def agent_losing_its_server(task, prompt, chat, max_turns):
+        server.should_exit = True
+        await serving
+        raise LookupError("the episode's own failure")
+
+    plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=1))
+    ctx = dataclasses.replace(context(plan, workers, f"http://{LOOPBACK}:{server.config.port}", tito),
+                              agent=agent_losing_its_server)  # fmt: skip
+    with pytest.raises(LookupError, match="the episode's own failure"):
+        await rollout_agentic(ctx, [ctx.task.prompt(0)])
 
 
 async def test_rollouts_given_the_runs_session_clients_leave_them_open_for_the_next(
