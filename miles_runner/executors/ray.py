@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ STOP_TIMEOUT_S = 20.0  # within Slurm's KillWait (30 s in scripts/slurm_local.sh
 # Removing a placement group blocks for good once the GCS is gone; the GCS removes a job's groups when its driver
 # leaves anyway, so the explicit removal (for a driver that goes on, such as a test process) gets a short bound.
 GROUP_REMOVAL_TIMEOUT_S = 5.0
+# ray.shutdown() flushes the driver's task events to the GCS, waiting up to Ray's default 5 s for a GCS that is gone
+# (Slurm's SIGTERM takes the job's Ray with the run); an alive GCS takes the flush in milliseconds.
+SHUTDOWN_FLUSH_ENV = {"RAY_task_events_shutdown_flush_timeout_ms": "1000"}
 
 
 class ClusterNodesError(ComponentFailure):
@@ -262,6 +266,8 @@ class RayExecutor(Executor):
         address = self.plan.executor.ray_address or None
         own = {"num_cpus": max(self.plan.cluster.slots_per_node, 1), "resources": {node_resource(0): 1000}}
         handler = signal.getsignal(signal.SIGTERM)
+        for name, value in SHUTDOWN_FLUSH_ENV.items():  # read by the driver's core worker at ray.init
+            os.environ.setdefault(name, value)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else own))
         if threading.current_thread() is threading.main_thread():
             # ray.init makes SIGTERM sys.exit() wherever the driver is (inside an asyncio task, say); the run's own
@@ -410,7 +416,10 @@ class RayExecutor(Executor):
 
         if not run_bounded(self._stop_agents, STOP_TIMEOUT_S):
             logger.warning("Ray did not answer within %.0f s while stopping: its cluster is gone", STOP_TIMEOUT_S)
-        if not run_bounded(self._remove_groups, GROUP_REMOVAL_TIMEOUT_S):
+        gcs = ray.get_runtime_context().gcs_address if self.groups else ""
+        if gcs and not address_answers(gcs):  # a removal would block on it: the groups went with the GCS
+            logger.warning("Ray's GCS at %s is gone, and the run's placement groups with it", gcs)
+        elif not run_bounded(self._remove_groups, GROUP_REMOVAL_TIMEOUT_S):
             logger.warning(
                 "Ray's GCS did not remove the placement groups within %.0f s: it is gone", GROUP_REMOVAL_TIMEOUT_S
             )
@@ -442,6 +451,16 @@ def key_runtime_env(plan: Plan) -> dict[str, Any] | None:
     task spec: anyone who can reach the Ray cluster can read it (and run code there anyway), see SECURITY.md."""
     env = key_environment(plan.security.api_key_env)
     return {"env_vars": env} if env else None
+
+
+def address_answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at `address` (host:port)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def run_bounded(work: Callable[[], None], timeout_s: float) -> bool:
