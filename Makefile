@@ -93,9 +93,11 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: layers sglang-spec bridge-env tiny-models bytecode
+	bridge_log=$$(mktemp); $(MAKE) --no-print-directory bridge-test > $$bridge_log 2>&1 & bridge=$$!; \
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
-		--ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory bridge-test
+		--ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS); main=$$?; \
+	wait $$bridge; bridge_rc=$$?; echo "--- the Megatron-Bridge tests (run alongside the main suite):"; \
+	cat $$bridge_log; rm -f $$bridge_log; test $$main = 0 && test $$bridge_rc = 0
 
 # The tiny models the tests run (the main venv's transformers sets their weights), built once before the workers
 # start: a build inside a test counts against its timeout, and workers that each need one would build it side by side
