@@ -7,22 +7,22 @@ control run turns push verification off explicitly (weight_sync.verify=false): w
 same fault stops the run at the first push after step 0, whose probe differs from the trainer (lora/probe.py),
 before the trainer trains further: under the sync and the async driver alike.
 
-The control runs 20 steps, not the recipe's 40: its rollouts come from the same frozen adapter at every step, so its
-reward is one distribution throughout, and `gain` (the mean of the last 10 steps minus that of the first 10) measures
-the same thing with the same noise over 20 steps as over 40.
+The learning run takes the recipe's first 35 steps (recipe_runs.LEARNING_STEPS). The control runs 20: its rollouts
+come from the same frozen adapter at every step, so its reward is one distribution throughout, and `gain` (the mean of
+the last 10 steps minus that of the first 10) measures the same thing with the same noise over 20 steps as over 40.
 """
 
 from pathlib import Path
 
 import pytest
 
-from tests.loops.recipe_runs import MARGIN, WINDOW, gain, miles_run, run_default_recipe
+from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, WINDOW, gain, miles_run, run_default_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_path):
-    learned = run_default_recipe(tmp_path / "adapter", fault=False)
+    learned = run_default_recipe(tmp_path / "adapter", LEARNING_RUN, fault=False)
     frozen = run_default_recipe(tmp_path / "frozen", f"algorithm.num_steps={2 * WINDOW}", fault=True)
     print(f"gain with the adapter {gain(learned):+.3f}, with rollouts frozen on the initial adapter "
           f"{gain(frozen):+.3f}")
