@@ -82,9 +82,10 @@ plan: $(STAMP)
 # a worker's 23 s of start-up. Cleared for the test run only (the rewritten files go to tests' __pycache__, ignored).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
-# The Megatron-Bridge tests run in their side environment, after the main suite (a main-venv pytest skips them).
-# --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
-# 12:03-12:33 for the main suite, 12:50-13:21 with the Megatron-Bridge tests, 1,299-1,317 CPU-s; three workers: 11:48
+# The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
+# whose idle time (Slurm and Ray waits) they fill: 12:15-12:17 in all on 2 cores, against 12:37 after it (their output
+# is printed once the main suite ends). --durations: every run prints its 15 slowest tests (where the suite's time
+# goes). One worker per core (on 2 cores: 12:09-12:11 for the main suite, 1,294-1,299 CPU-s in all; three workers: 11:48
 # and 12:36, but 8% more CPU and the longest tests 40-50% slower, too thin a gain for the timeouts' margin). The
 # components, drivers and worker ranks the tests start fork from a warm start server per worker (tests/conftest.py,
 # tests/drivers.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or server starts
