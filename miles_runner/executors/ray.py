@@ -202,7 +202,6 @@ class AgentRanks:
         self.master_address = agents[0].address
 
     def start_rank(self, name: str, node: int, launch: Launch) -> RemoteRank:
-
         agent = self.agents[node]
         agent.call("start_process", name, launch)
         return RemoteRank(agent, name, self.run_dir / "logs" / f"{name}.log")
@@ -360,7 +359,6 @@ class RayExecutor(Executor):
         return infos[0]
 
     def _pids(self, agent: AgentHandle) -> dict[str, int | None]:
-
         return agent.call("pids")
 
     def _gather(self, refs: list[Any], agents: list[AgentHandle], timeout: float | None = AGENT_CALL_TIMEOUT_S) -> list:
@@ -399,7 +397,6 @@ class RayExecutor(Executor):
 
     def dead_components(self) -> list[ComponentFailure]:
         """The dead components of every node; a node whose agent is gone is one failure naming that node."""
-
         dead: list[ComponentFailure] = []
         for agent in self.agents:
             try:
