@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from miles_runner.core.errors import ComponentFailure
 from miles_runner.executors.local import Deployment, Executor, LocalExecutor
 from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict, server_launches
 from miles_runner.plan.secrets import key_environment, run_api_key
-from miles_runner.procs.ports import LOOPBACK
+from miles_runner.procs.ports import LOOPBACK, address_answers
 from miles_runner.procs.process import ManagedProcess
 from miles_runner.procs.warm import WARM_START_ENV
 
@@ -54,7 +53,7 @@ STOP_TIMEOUT_S = 20.0  # within Slurm's KillWait (30 s in scripts/slurm_local.sh
 GROUP_REMOVAL_TIMEOUT_S = 5.0
 # ray.shutdown() flushes the driver's task events to the GCS, waiting up to Ray's default 5 s for a GCS that is gone
 # (Slurm's SIGTERM takes the job's Ray with the run); an alive GCS takes the flush in milliseconds.
-SHUTDOWN_FLUSH_ENV = {"RAY_task_events_shutdown_flush_timeout_ms": "1000"}
+SHUTDOWN_FLUSH_ENV, SHUTDOWN_FLUSH_MS = "RAY_task_events_shutdown_flush_timeout_ms", "1000"
 
 
 class ClusterNodesError(ComponentFailure):
@@ -265,8 +264,7 @@ class RayExecutor(Executor):
         address = self.plan.executor.ray_address or None
         own = {"num_cpus": max(self.plan.cluster.slots_per_node, 1), "resources": {node_resource(0): 1000}}
         handler = signal.getsignal(signal.SIGTERM)
-        for name, value in SHUTDOWN_FLUSH_ENV.items():  # read by the driver's core worker at ray.init
-            os.environ.setdefault(name, value)
+        os.environ.setdefault(SHUTDOWN_FLUSH_ENV, SHUTDOWN_FLUSH_MS)  # read by the driver's core worker at ray.init
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else own))
         if threading.current_thread() is threading.main_thread():
             # ray.init makes SIGTERM sys.exit() wherever the driver is (inside an asyncio task, say); the run's own
@@ -448,16 +446,6 @@ def key_runtime_env(plan: Plan) -> dict[str, Any] | None:
     task spec: anyone who can reach the Ray cluster can read it (and run code there anyway), see SECURITY.md."""
     env = key_environment(plan.security.api_key_env)
     return {"env_vars": env} if env else None
-
-
-def address_answers(address: str, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts a TCP connection at `address` (host:port)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
 
 
 def run_bounded(work: Callable[[], None], timeout_s: float) -> bool:

@@ -70,3 +70,13 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def address_answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at `address` (host:port) now: a server there, not a free port."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
