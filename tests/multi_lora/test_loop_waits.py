@@ -1,6 +1,7 @@
 """How the multi-LoRA loop waits, as its plan says: for adapters (adapters.service_mode, adapters.idle_poll_s) from a
 real controller served over loopback HTTP, and for groups (adapters.max_coalesce_wait_s, adapters.max_empty_wait_s)
-in its buffers. The loop is built from the plan and driven one waiting step at a time."""
+in its buffers; and where it must not wait: for an engine to die after a push whose probe failed. The loop is built
+from the plan and driven one waiting step at a time."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from pathlib import Path
 import pytest
 
 from miles_runner.config.compose import compose
+from miles_runner.executors.local import LocalExecutor
 from miles_runner.loops.multi_lora import MultiLoRALoop
+from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.records import make_tracker
+from miles_runner.loops.multi_lora.recovery import ENGINE_DEATH_WAIT_S, EngineRecovery
+from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.http_server import create_app
@@ -125,3 +130,23 @@ async def test_a_long_coalesce_wait_holds_the_batch_until_the_adapters_step_is_c
         loop.buffers.put(group(a, index))
     batch, _ = await asyncio.wait_for(collecting, RETURNED_S)
     assert batch.group_counts == {"a": 8} and batch.step_names == ["a"]
+
+
+# ---- a push whose probe failed: the engines answered, so none died ----
+
+
+class ProbeBreach(MultiLoRALoop):
+    """Fault injection: the push's probe finds the engines' adapter differing from the trainer's slot."""
+
+    async def _update_weights(self) -> float:
+        raise SyncVerificationError("weight version 1: the probe of adapter '__miles_slot_0' differs (injected)")
+
+
+async def test_a_push_whose_probe_failed_ends_the_run_without_waiting_for_an_engine_to_die(tmp_path):
+    plan = plan_of()
+    loop = ProbeBreach(plan, tmp_path)
+    loop.executor, loop.iteration = LocalExecutor(plan, tmp_path), 0  # started nothing: no engine is dead
+    loop.recovery = EngineRecovery(loop.executor, EventLog(tmp_path / "events.jsonl"))
+    # A failed push is forgiven when an engine died under it, which may take ENGINE_DEATH_WAIT_S to be seen.
+    with pytest.raises(SyncVerificationError, match="injected"):
+        await asyncio.wait_for(loop._push(), ENGINE_DEATH_WAIT_S / 2)
