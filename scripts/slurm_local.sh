@@ -17,12 +17,15 @@ wait_for() {  # wait_for <seconds> <cmd...>
   for _ in $(seq 1 "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "timeout waiting for: $*" >&2; return 1
 }
-stop_pidfile() {  # SIGTERM the pid in the file and wait (slurmctld takes 5-10 s to stop)
-  local f=$1 pid
-  [ -s "$f" ] || return 0
-  pid=$(cat "$f"); kill "$pid" 2>/dev/null || return 0
-  for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
-  echo "pid $pid from $f did not stop" >&2; return 1
+stop_daemons() {  # SIGTERM the pid in each file at once, then wait for each: each takes about 2 s to stop, and
+  local f pid pids=()  # one after another took 6 s at the end of every test session
+  for f in "$@"; do
+    [ -s "$f" ] && pid=$(cat "$f") && kill "$pid" 2>/dev/null && pids+=("$pid:$f")
+  done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 1 150); do kill -0 "${pid%%:*}" 2>/dev/null || continue 2; sleep 0.2; done
+    echo "pid ${pid%%:*} from ${pid#*:} did not stop" >&2; return 1
+  done
 }
 
 install() {
@@ -84,9 +87,7 @@ CONF
 }
 
 down() {
-  stop_pidfile "$SLURM_BASE/slurmd.pid"
-  stop_pidfile "$SLURM_BASE/slurmctld.pid"
-  stop_pidfile /run/munge/munged.pid
+  stop_daemons "$SLURM_BASE/slurmd.pid" "$SLURM_BASE/slurmctld.pid" /run/munge/munged.pid
 }
 
 status() { sinfo; squeue; }
