@@ -44,6 +44,7 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+        "--min-worker-port=0", "--max-worker-port=0",  # as a Slurm job's Ray (slurm/script.py), which may run beside
     ]  # fmt: skip
     # Token auth off: this head is on loopback, and a driver given an explicit address sends no token.
     env = {"RAY_AUTH_MODE": "disabled"}
@@ -58,6 +59,9 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         # `ray start --block` takes over 10 s to end after SIGTERM (its GCS shuts down gracefully): the test is over,
         # so what is left after 2 s is killed.
         head.stop(timeout_s=2)
+        # The head's logs (raylet, workers) stay with the test's folder: why an actor died is only written there.
+        shutil.copytree(Path(temp_dir) / "session_latest" / "logs", tmp_path / "ray_logs", dirs_exist_ok=True,
+                        ignore_dangling_symlinks=True)  # fmt: skip
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
