@@ -62,17 +62,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The Slurm jobs' file first, then files with a `slow` test, then files with an `integration` test (the order
-    # within a file kept): `make test` hands whole files to its workers in this order, so the long ones start at once
-    # instead of leaving one worker busy at the end. The Slurm file (2.5 min, a third of it waiting on the scheduler
-    # and the jobs' start-up) had come last: one worker ran it alone for 70-85 s while the other had nothing left,
-    # and its waits left a core idle. The in-process files last: the workers run out of them within a second or so
-    # of each other (a trainer file of two-rank tests, 6-16 s, had been the last worker's tail).
+    # The Slurm jobs' file first, then files with a `slow` test (the order within a file kept): `make test` hands whole
+    # files to its workers in this order, so the long ones start at once instead of leaving one worker busy at the
+    # end. The Slurm file (2.5 min, a third of it waiting on the scheduler and the jobs' start-up) had come last: one
+    # worker ran it alone for 70-85 s while the other had nothing left, and its waits left a core idle.
+    slurm_files = {item.path for item in items if item.get_closest_marker("slurm")}
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slurm_files, item.path not in slow_files))
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
-    files = {marker: {item.path for item in items if item.get_closest_marker(marker)} for marker in PROCESS_MARKERS}
-    items.sort(key=lambda item: tuple(item.path not in files[m] for m in ("slurm", "slow", "integration")))
 
 
 PROCESS_MARKERS = ("integration", "slow", "slurm")
