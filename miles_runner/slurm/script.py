@@ -3,8 +3,8 @@
 The job script starts one Ray per node with `srun` (the head on the first node, workers on the others, node K
 offering the custom resource miles_node_K), waits until every node has joined (or fails naming the missing
 ones), runs the job's recorded plan (resuming from its last checkpoint after a requeue) and stops its own Ray.
-Ports (the workers' picked by the OS) and the Ray temp folder are per job, so two jobs on one node do not collide;
-`ray stop` is not used, because it would stop every Ray of the node, another job's included.
+Ports and the Ray temp folder are per job, so two jobs on one node do not collide; `ray stop` is not used,
+because it would stop every Ray of the node, another job's included.
 """
 
 from __future__ import annotations
@@ -64,10 +64,7 @@ def render_array_script(options: list[str], name: str, sweep_dir: Path, job_dirs
 def job_body(plan: Plan, settings: SlurmSettings, job_dir: str | Path, python: str) -> str:
     cluster = plan.cluster
     srun = "srun --overlap -N1 -n1 " + "".join(f"{shlex.quote(a)} " for a in settings.srun_args)
-    # Worker ports the OS picks (0): by default each `ray start` hands its workers ports of 10002-19999, whatever
-    # another job's Ray on the node has handed out, and a worker whose port is taken dies at start.
-    node_args = (f"--num-cpus={max(cluster.slots_per_node, 1)} --num-gpus={cluster.gpus_per_node} "
-                 "--min-worker-port=0 --max-worker-port=0")  # fmt: skip
+    node_args = f"--num-cpus={max(cluster.slots_per_node, 1)} --num-gpus={cluster.gpus_per_node}"
     head_ip = (LOOPBACK if cluster.nodes == 1  # one node: every address stays on loopback
                else f'$({srun}-w "$HEAD" hostname -I | cut -d" " -f1)')
     setup = "".join(f"{line}\n" for line in settings.setup)

@@ -44,7 +44,6 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-        "--min-worker-port=0", "--max-worker-port=0",  # as a Slurm job's Ray (slurm/script.py), which may run beside
     ]  # fmt: skip
     # Token auth off: this head is on loopback, and a driver given an explicit address sends no token.
     env = {"RAY_AUTH_MODE": "disabled"}
