@@ -1,6 +1,13 @@
 """executor.ray_address: the Ray executor joins a Ray cluster that is already up (here a head started on loopback
 for the test, as plan node 0: it offers miles_node_0) instead of starting its own, runs the plan's servers on it,
-and leaves it running after the run. A cluster that does not say which node is plan node 0 is refused at once."""
+and leaves it running after the run. A cluster that does not say which node is plan node 0 is refused at once.
+
+Order matters: this file must run before any test that starts a local Ray in the same process (ray.init() without an
+address, as test_run_key.py's Ray test does). After that Ray's shutdown, a driver that joins this head from the same
+process has its first actor destroyed by the head's GCS at creation ("Worker 01000000ff... failed, destroying actor
+child": the driver, its owner, taken for failed); reproduced with `pytest -n 1 --dist loadfile
+--no-loadscope-reorder tests/executors/test_run_key.py tests/executors/test_ray_address.py`. The suite's order
+(tests/conftest.py: the files of slow tests in collection order) puts this file first."""
 
 from __future__ import annotations
 
