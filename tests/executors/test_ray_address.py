@@ -3,11 +3,13 @@ for the test, as plan node 0: it offers miles_node_0) instead of starting its ow
 and leaves it running after the run. A cluster that does not say which node is plan node 0 is refused at once.
 
 Order matters: this file must run before any test that starts a local Ray in the same process (ray.init() without an
-address, as test_run_key.py's Ray test does). After that Ray's shutdown, a driver that joins this head from the same
-process has its first actor destroyed by the head's GCS at creation ("Worker 01000000ff... failed, destroying actor
-child": the driver, its owner, taken for failed); reproduced with `pytest -n 1 --dist loadfile
---no-loadscope-reorder tests/executors/test_run_key.py tests/executors/test_ray_address.py`. The suite's order
-(tests/conftest.py: the files of slow tests in collection order) puts this file first."""
+address, as test_run_key.py's Ray test does). Ray turns token authentication on for such a Ray (it sets RAY_AUTH_MODE
+and re-reads its config), and the process's Ray core stays in token mode after that Ray's shutdown: a driver that
+then joins this head (auth off) refuses the head's GCS calls ("Missing authorization header in request!" in its log),
+and the GCS takes it for dead and destroys its first actor ("Worker 01000000ff... failed, destroying actor child").
+Reproduced with `pytest -n 1 --dist loadfile --no-loadscope-reorder tests/executors/test_run_key.py
+tests/executors/test_ray_address.py`. The suite's order (tests/conftest.py: the files of slow tests in collection
+order) hands this file out before those."""
 
 from __future__ import annotations
 
