@@ -68,8 +68,8 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         # so what is left after 2 s is killed.
         head.stop(timeout_s=2)
         # The head's logs (raylet, workers) stay with the test's folder: why an actor died is only written there.
-        shutil.copytree(Path(temp_dir) / "session_latest" / "logs", tmp_path / "ray_logs", dirs_exist_ok=True,
-                        ignore_dangling_symlinks=True)  # fmt: skip
+        if (logs := Path(temp_dir) / "session_latest" / "logs").is_dir():  # none where the head never started
+            shutil.copytree(logs, tmp_path / "ray_logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
