@@ -21,7 +21,6 @@ from miles_runner.loops.multi_lora.records import SlotMetrics, StepRecords, firs
 from miles_runner.loops.multi_lora.recovery import EngineRecovery
 from miles_runner.lora.probe import PushProbe, probe_token_ids
 from miles_runner.lora.sync import make_sync
-from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.client import ControllerClient
@@ -148,8 +147,6 @@ class MultiLoRALoop:
         try:
             await self.recovery.restart_dead(self.iteration)
             return await self._update_weights()
-        except SyncVerificationError:
-            raise  # the engines answered the probe: alive, holding weights that differ (no restart mends that)
         except (EngineUnavailable, EngineError, RuntimeError) as error:
             if not await self.recovery.restarted_after(error, self.iteration):
                 raise

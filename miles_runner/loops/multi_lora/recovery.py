@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from miles_runner.engine.client import EngineClient
 from miles_runner.executors.local import Executor
 from miles_runner.loops.multi_lora.events import EventLog
+from miles_runner.lora.verify import SyncVerificationError
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules
 
@@ -43,6 +44,8 @@ class EngineRecovery:
     async def restarted_after(self, error: Exception, iteration: int) -> bool:
         """Whether `error` (a push or version check that failed) came from an engine that died: one is restarted
         within ENGINE_DEATH_WAIT_S (a killed engine is not reaped at once). Anything else is not ours to mend."""
+        if isinstance(error, SyncVerificationError):
+            return False  # the engines answered the push's probe: alive, holding weights that differ
         deadline = time.monotonic() + ENGINE_DEATH_WAIT_S
         while time.monotonic() < deadline:
             if await self.restart_dead(iteration):
