@@ -18,7 +18,7 @@ import pytest
 
 from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, WINDOW, gain, miles_run, run_default_recipe
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_path):

@@ -16,7 +16,7 @@ from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, gain, run_default_reci
 MEGATRON = ("trainer=megatron", "lora_mode=raw")
 RUN_TIMEOUT_S = 1500  # a Megatron step on CPU takes longer than an FSDP one: the run may take ~10 min under load
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 
 
 def test_megatron_default_recipe_learns(tmp_path):

@@ -20,7 +20,7 @@ from miles_runner.plan.record import read_plan
 
 from .runs import TOKEN, adapter_rewards, events, metrics, plan_run, start_driver, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning]
+pytestmark = pytest.mark.slow
 
 LEARNERS = ("count", "retry", "letters")  # the recipe's adapters
 STEPS = 60  # more than the recipe's 40: the rise of each reward then stands well above the noise

@@ -22,7 +22,7 @@ from miles_runner.procs.ports import free_port, free_port_block
 from tests.drivers import runner_command
 from tests.loops.recipe_runs import MARGIN, gain
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ENGINES = 2
 
 

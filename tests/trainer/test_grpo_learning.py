@@ -35,14 +35,12 @@ def run(model_path: str, *, adapter_in_rollouts: bool, steps: int) -> LocalRunRe
 
 
 @pytest.mark.slow
-@pytest.mark.learning
 def test_grpo_raises_the_reward_when_rollouts_use_the_adapter(pretrained_model_path):
     result = run(pretrained_model_path, adapter_in_rollouts=True, steps=STEPS)
     assert result.window_mean(first=False) - result.window_mean(first=True) >= MARGIN, result.rewards
 
 
 @pytest.mark.slow
-@pytest.mark.learning
 def test_reward_stays_flat_when_rollouts_ignore_the_adapter(pretrained_model_path):
     result = run(pretrained_model_path, adapter_in_rollouts=False, steps=CONTROL_STEPS)
     assert abs(result.window_mean(first=False) - result.window_mean(first=True)) < NOISE, result.rewards
