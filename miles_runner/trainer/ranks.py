@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -125,6 +126,9 @@ class RankedTrainer:
 
     def __init__(self, local: Any, followers: list[Any], commands: Any) -> None:
         self._local, self._followers, self._commands = local, followers, commands
+        # One replayed call at a time, and none while close() sends the exit: on CPU the commands share the gloo
+        # group the trainer's collectives use, and two threads' operations on it interleave differently on each rank.
+        self._calling = threading.Lock()
 
     @classmethod
     def start(cls, plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedTrainer:
@@ -146,10 +150,11 @@ class RankedTrainer:
             return attr
 
         def replayed(*args: Any, **kwargs: Any) -> Any:
-            if self._followers:
-                self._check_followers()
-                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._commands)
-            return attr(*args, **kwargs)
+            with self._calling:
+                if self._followers:
+                    self._check_followers()
+                    dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._commands)
+                return attr(*args, **kwargs)
 
         return replayed
 
@@ -159,18 +164,30 @@ class RankedTrainer:
             raise RuntimeError(f"trainer ranks exited: {', '.join(dead)}")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Tell the followers to leave, wait for them, and leave the group (idempotent)."""
+        """Tell the followers to leave, wait for them, and leave the group (idempotent).
+
+        A replayed call still running in another thread (the train step of a loop that Ctrl-C cancelled goes on in
+        its worker thread) ends first, for up to `timeout_s`: an exit sent amid its collectives left rank 0's
+        broadcast and rank 1's all-reduce waiting on each other for the group's 10-minute timeout. A call that
+        outlasts `timeout_s` is cut off instead: the followers are stopped, which ends its collectives with an error.
+        """
         if not self._followers:
             return
-        if all(f.alive for f in self._followers):
-            dist.broadcast_object_list([(EXIT, (), {})], src=0, group=self._commands)
-        deadline = time.monotonic() + timeout_s
-        while any(f.alive for f in self._followers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for follower in self._followers:
-            follower.stop()
-        self._followers = []
-        dist.destroy_process_group()
+        idle = self._calling.acquire(timeout=timeout_s)
+        try:
+            if idle and all(f.alive for f in self._followers):
+                dist.broadcast_object_list([(EXIT, (), {})], src=0, group=self._commands)
+            deadline = time.monotonic() + timeout_s
+            while any(f.alive for f in self._followers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for follower in self._followers:
+                follower.stop()
+            self._followers = []
+            if idle:  # (a call still in the group's collectives would be destroyed under it)
+                dist.destroy_process_group()
+        finally:
+            if idle:
+                self._calling.release()
 
 
 def start_follower(

@@ -5,6 +5,9 @@ FSDP trainer shards with FSDP2; every call the driver makes is replayed on the f
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,31 @@ def test_a_follower_that_died_is_reported_before_the_next_call(tmp_path):
             ranked.load_adapter(0, in_slot(plan.adapters[0], 0))
     finally:
         ranked.close()
+
+
+@pytest.mark.timeout(120, method="thread")  # a regression waits inside gloo, where the signal method cannot end it
+def test_close_lets_a_call_in_flight_finish_before_the_followers_exit(tmp_path):
+    """Ctrl-C cancels the run's loop while its train step goes on in a worker thread, and the loop's cleanup closes
+    the trainer: the exit command must come after that step's collectives. Sent in the middle of them, rank 0's
+    broadcast and rank 1's all-reduce waited on each other for the group's 10-minute timeout."""
+    plan, run_dir = recorded_plan(tmp_path, "+recipe=tiny_multi_lora", *TWO_RANKS)
+    ranked = make_trainer(plan, run_dir)
+    follower, entered = ranked._followers[0], threading.Event()
+    own_train = ranked._local.train
+
+    def train_after_close_began(*args, **kwargs):  # injected delay: close() is called while the step is in flight
+        entered.set()
+        time.sleep(1.0)
+        return own_train(*args, **kwargs)
+
+    try:
+        ranked.load_adapter(0, in_slot(plan.adapters[0], 0))
+        ranked._local.train = train_after_close_began
+        with ThreadPoolExecutor(1) as pool:
+            step = pool.submit(ranked.train, samples(0, 3, 8, 0), step_slots=[0])
+            assert entered.wait(60)
+            ranked.close()
+            assert 0 in step.result(timeout=60)  # the step ended, with slot 0's metrics
+    finally:
+        ranked.close()
+    assert follower.returncode == 0, (run_dir / "logs" / "trainer1.log").read_text()[-3000:]
