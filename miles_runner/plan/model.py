@@ -8,8 +8,9 @@ schema loader as the config, so a run executes exactly the plan that was saved.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from miles_runner.config.schema import (
     SecurityConfig,
 )
 from miles_runner.core.adapters import AdapterSpec
+from miles_runner.plan.slots import DIST_INIT_EXTRA_PORTS
 
 # A plan that spans nodes names each node's address by a placeholder, `{node<K>}` (plan node K: the Ray node that
 # offers core.cluster_nodes.node_resource(K)); the node agents fill in the nodes' own addresses at run time.
@@ -296,6 +298,28 @@ def server_launches(plan: Plan) -> list[tuple[str, Launch]]:
     if plan.session:
         named.append(("session", plan.session.launch))
     return named
+
+
+def plan_ports(plan: Plan) -> set[int]:
+    """Every port the plan's servers bind, on whichever node: each server's own, the router's metrics port, and the
+    rendezvous port of an engine that spans nodes with the DIST_INIT_EXTRA_PORTS after it (as the ports-distinct
+    rule counts them). Read from the launches themselves: what binds is what their command lines say."""
+    launches = [launch for _, launch in server_launches(plan)]
+    if plan.multi_lora:
+        launches.append(plan.multi_lora.launch)
+    ports = {launch.port for launch in launches}
+    ports.update(port for launch in launches for port in _argv_ports(launch.argv))
+    ports.discard(0)
+    return ports
+
+
+def _argv_ports(argv: Sequence[str]) -> Iterator[int]:
+    for flag, value in itertools.pairwise(argv):
+        if flag.endswith("-port") and value.isdigit():
+            yield int(value)
+        elif flag == "--dist-init-addr":
+            base = int(value.rsplit(":", 1)[1])
+            yield from range(base, base + DIST_INIT_EXTRA_PORTS + 1)
 
 
 def plan_on_nodes(plan: Plan, addresses: Sequence[str]) -> Plan:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from miles_runner.plan.model import Launch
 from miles_runner.plan.render import PYTHON
-from miles_runner.procs.ports import port_is_free
+from miles_runner.procs.ports import port_holders, port_is_free
 from miles_runner.procs.process import ManagedProcess
 
 
@@ -43,8 +43,14 @@ def resolve_argv(argv: Sequence[str]) -> list[str]:
 
 
 def busy_ports(named: Sequence[tuple[str, Launch]]) -> list[str]:
-    return [f"{name} on {launch.host}:{launch.port}" for name, launch in named
-            if not port_is_free(launch.host, launch.port)]  # fmt: skip
+    """Each component whose port is taken, with the processes that hold it where this host can tell."""
+    busy = [(name, launch) for name, launch in named if not port_is_free(launch.host, launch.port)]
+    return [f"{name} on {launch.host}:{launch.port}{_held_by(launch.port)}" for name, launch in busy]
+
+
+def _held_by(port: int) -> str:
+    holders = port_holders(port)
+    return f" (held by {'; '.join(holders)})" if holders else ""
 
 
 def check_ports(named: Sequence[tuple[str, Launch]]) -> None:

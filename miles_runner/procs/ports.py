@@ -8,8 +8,10 @@ live, and one process never hands out the same port twice.
 """
 
 import functools
+import os
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -17,6 +19,7 @@ LOOPBACK = "127.0.0.1"
 # components on: a GCS port picked there fails `ray start`) and the registered services of most hosts.
 LISTEN_PORTS_FROM = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 ATTEMPTS = 200
 
 _pick = random.SystemRandom()  # not the `random` module's generator: runs seed it, so two runs would pick alike
@@ -38,21 +41,27 @@ def free_port(host: str = LOOPBACK) -> int:
     return free_port_block(1, host)
 
 
-def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct free ports."""
-    return [free_port(host) for _ in range(count)]
+def free_ports(count: int, host: str = LOOPBACK, avoid: Collection[int] = ()) -> list[int]:
+    """`count` distinct free ports, none of `avoid` (ports that something will bind later)."""
+    return [free_port_block(1, host, avoid=avoid) for _ in range(count)]
 
 
-def free_port_block(count: int, host: str = LOOPBACK, attempts: int = ATTEMPTS) -> int:
-    """A base port B with B .. B+count-1 all free right now (engines take consecutive ports from a base)."""
+def free_port_block(count: int, host: str = LOOPBACK, attempts: int = ATTEMPTS, avoid: Collection[int] = ()) -> int:
+    """A base port B with B .. B+count-1 all free right now (engines take consecutive ports from a base), none of
+    them in `avoid`."""
     candidates = listen_port_range()
     for _ in range(attempts):
         base = _pick.choice(candidates) if len(candidates) > count else _kernel_port(host)
         block = [(host, base + i) for i in range(count)]
-        if base + count <= 65536 and not _handed_out.intersection(block) and all(port_is_free(*p) for p in block):
+        if (base + count <= 65536 and not _handed_out.intersection(block) and not avoid_hit(base, count, avoid)
+                and all(port_is_free(*p) for p in block)):  # fmt: skip
             _handed_out.update(block)
             return base
     raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")
+
+
+def avoid_hit(base: int, count: int, avoid: Collection[int]) -> bool:
+    return any(base + i in avoid for i in range(count))
 
 
 def _kernel_port(host: str) -> int:
@@ -80,3 +89,43 @@ def address_answers(address: str, timeout_s: float = 1.0) -> bool:
     except OSError:
         return False
     return True
+
+
+def port_holders(port: int) -> list[str]:
+    """Who holds TCP `port` on this host: "pid N (command)" for each process with a socket bound to it, read from
+    /proc (Linux; none where it cannot be read). For error messages only: it looks at every process's open files."""
+    sockets = _sockets_on(port)
+    holders = []
+    for proc in Path("/proc").iterdir() if sockets else ():
+        if proc.name.isdigit() and _holds_any(proc, sockets):
+            holders.append(f"pid {proc.name} ({_command_line(proc)})")
+    return holders
+
+
+def _sockets_on(port: int) -> set[str]:
+    """The `socket:[inode]` links of the TCP sockets bound to `port` (a TIME_WAIT entry has no inode, no owner)."""
+    found = set()
+    for table in TCP_TABLES:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for fields in map(str.split, rows):  # sl, local_address (hex ip:port), rem_address, st, ..., inode (10th)
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def _holds_any(proc: Path, sockets: set[str]) -> bool:
+    try:
+        return any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir())
+    except OSError:  # gone meanwhile, or not ours to look at
+        return False
+
+
+def _command_line(proc: Path, limit: int = 160) -> str:
+    try:
+        text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

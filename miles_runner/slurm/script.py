@@ -80,7 +80,8 @@ at $(date -u +%FT%TZ) ==="
 NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 HEAD=${{NODES[0]}}
 RAY_TMP=/tmp/miles-ray-$SLURM_JOB_ID
-read -r RAY_PORT AGENT_PORT <<<"$("$PY" -m miles_runner.slurm.free_ports 2)"
+# Ray's ports, picked on the node at each attempt: never one the plan's servers bind once Ray is up.
+read -r RAY_PORT AGENT_PORT <<<"$("$PY" -m miles_runner.slurm.free_ports 2 --plan "$JOB_DIR/plan.yaml")"
 HEAD_IP={head_ip}
 export RAY_ADDRESS=$HEAD_IP:$RAY_PORT
 # Ray's token authentication with a token of this job's own: its Ray processes (srun passes the environment on)
@@ -125,11 +126,12 @@ exit "$RC"
 def worker_start(nodes: int, srun: str, node_args: str) -> str:
     """Ray on nodes 1..N-1, each offering its own miles_node_K and picking its agent port on that node."""
     resources = '{\\"' + NODE_RESOURCE_PREFIX + '$K\\": ' + str(NODE_RESOURCE_UNITS) + '}'
-    return f"""export PY RAY RAY_ADDRESS
+    return f"""export PY RAY RAY_ADDRESS JOB_DIR
 for ((K = 1; K < {nodes}; K++)); do
   RES="{resources}" {srun}-w "${{NODES[$K]:-missing}}" bash -c \\
     '$RAY start --block --address="$RAY_ADDRESS" {node_args} --resources="$RES" \\
-    --dashboard-agent-listen-port="$($PY -m miles_runner.slurm.free_ports 1)"' >>"$JOB_DIR/logs/ray-node-$K.log" 2>&1 &
+    --dashboard-agent-listen-port="$($PY -m miles_runner.slurm.free_ports 1 --plan "$JOB_DIR/plan.yaml")"' \\
+    >>"$JOB_DIR/logs/ray-node-$K.log" 2>&1 &
   RAY_PIDS+=($!)
 done
 """

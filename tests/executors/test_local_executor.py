@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -57,14 +58,15 @@ def test_engines_and_router_start_healthy_and_all_stop(tmp_path):
     assert (tmp_path / "logs" / "engine0.log").exists()
 
 
-def test_busy_port_fails_before_anything_starts(tmp_path):
+def test_busy_port_fails_before_anything_starts_naming_the_process_that_holds_it(tmp_path):
     plan = tiny_plan()
     import socket
 
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", plan.engines[0].launch.port))
         blocker.listen()
-        with pytest.raises(PortBusyError, match=r"engine0 on 127\.0\.0\.1"):
+        port = plan.engines[0].launch.port
+        with pytest.raises(PortBusyError, match=rf"engine0 on 127\.0\.0\.1:{port} \(held by pid {os.getpid()} \("):
             LocalExecutor(plan, tmp_path).start()
     assert not (tmp_path / "logs").exists()
 

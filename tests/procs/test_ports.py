@@ -1,6 +1,7 @@
 """Free ports: picked where no outgoing connection can take them meanwhile, never twice by one process, and never
 one a server already listens on."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -8,7 +9,14 @@ import sys
 import pytest
 
 from miles_runner.procs import ports
-from miles_runner.procs.ports import LOOPBACK, free_port, free_port_block, free_ports, listen_port_range
+from miles_runner.procs.ports import (
+    LOOPBACK,
+    free_port,
+    free_port_block,
+    free_ports,
+    listen_port_range,
+    port_holders,
+)
 
 
 def ephemeral_range() -> range:
@@ -64,3 +72,21 @@ def test_the_job_scripts_port_command_prints_distinct_ports_for_every_interface(
     for port in printed:
         with socket.socket() as server:
             server.bind(("0.0.0.0", port))
+
+
+def test_ports_to_avoid_are_never_picked(monkeypatch):
+    base = free_port_block(3)
+    monkeypatch.setattr(ports, "listen_port_range", lambda: range(base, base + 3))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    assert sorted(free_ports(2, avoid={base + 1})) == [base, base + 2]
+    with pytest.raises(RuntimeError, match="no block of 1 free"):
+        free_ports(1, avoid={base + 1})  # the rest of the range was handed out above
+
+
+def test_the_holder_of_a_port_is_named_by_pid_and_command_line():
+    port = free_port()
+    with socket.socket() as server:
+        server.bind((LOOPBACK, port))
+        server.listen()
+        assert f"pid {os.getpid()} (" in " ".join(port_holders(port))
+    assert port_holders(port) == []  # closed: no socket holds it any more
