@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 
-from miles_runner.engine.client import http_client
+from miles_runner.engine.client import aiohttp_transport, encode_json, http_client
 from miles_runner.plugins.tasks import Message, Prompt
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.samples import Sample
 
+SESSION_CALL_TIMEOUT_S = 600.0  # a call waits out a weight update that pauses the engines (in_place, retract)
 BeforeTurn = Callable[[], Awaitable[bool]]  # asked before each turn is sent: may the episode go on?
 
 
@@ -31,20 +33,56 @@ class EpisodeAborted(Exception):
     """The episode ended early: a turn was aborted by the engine, or `before_turn` stopped it."""
 
 
+class SessionCallError(RuntimeError):
+    """The session server answered a session call of the rollout (create, samples) with an error status."""
+
+    def __init__(self, call: str, status_code: int, text: str) -> None:
+        super().__init__(f"{call} answered {status_code}: {text}")
+        self.status_code = status_code
+
+
 class SessionClients:
-    """One connection pool to the session server for many episodes, and the OpenAI client the agents chat
-    through (each episode's client is a cheap view of it, pointed at its session)."""
+    """One connection pool to the session server for many episodes: the episode's own calls (create, samples,
+    delete) and the OpenAI client the agents chat through (each episode's client is a cheap view of it, pointed at
+    its session)."""
 
     def __init__(self, session_url: str, *, api_key: str | None = None) -> None:
         import openai
 
         self.url = session_url
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # the run's key, on every call
-        self.http = http_client(session_url, timeout_s=600, headers=headers)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the run's key, on every call
+        self._timeout = dict.fromkeys(("pool", "connect", "read"), SESSION_CALL_TIMEOUT_S)
+        self.transport = aiohttp_transport(max_connections=1024)
+        self.http = http_client(session_url, timeout_s=SESSION_CALL_TIMEOUT_S, headers=self._headers or None,
+                                transport=self.transport)  # fmt: skip
         self.openai = openai.AsyncOpenAI(base_url=session_url, api_key=api_key or "local", http_client=self.http)
 
     def agent_client(self, session_id: str) -> Any:
         return self.openai.with_options(base_url=f"{self.url}/sessions/{session_id}/v1")
+
+    async def create_session(self, adapter: dict[str, Any] | None = None) -> str:
+        """POST /sessions (bound to `adapter`'s slot when given): the new session's id."""
+        body = encode_json({"adapter": adapter}) if adapter else None
+        return json.loads(await self._call("POST", "/sessions", body))["session_id"]
+
+    async def samples(self, session_id: str) -> bytes:
+        """POST /sessions/{id}/samples: the session's assembled samples (session/codec.py)."""
+        return await self._call("POST", f"/sessions/{session_id}/samples", b'{"max_seq_len":null}')
+
+    async def delete_session(self, session_id: str) -> None:
+        """DELETE /sessions/{id}; an unknown session (already reaped) is no error."""
+        await self._call("DELETE", f"/sessions/{session_id}", None, check=False)
+
+    async def _call(self, method: str, path: str, body: bytes | None, *, check: bool = True) -> bytes:
+        """One call on the transport directly (engine/aiohttp_transport.py says why: a third of the episode's
+        client CPU went to httpx's request and response objects); transport failures raise httpx's errors."""
+        headers = {**self._headers, "Content-Type": "application/json"} if body is not None else self._headers
+        answer = await self.transport.fetch(method, f"{self.url}{path}", headers=headers, content=body,
+                                            timeout=self._timeout)  # fmt: skip
+        if check and answer.status != 200:
+            text = answer.content.decode(errors="replace")
+            raise SessionCallError(f"session server {method} {path}", answer.status, text)
+        return answer.content
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -78,23 +116,18 @@ async def play_episode(
 ) -> Sample:
     """One episode of `ctx.agent` on `ctx.task`, scored by `ctx.reward`, in a session of its own; `adapter`
     ({"name", "lora_name", "version"}) binds the session to a multi-LoRA slot. Raises EpisodeAborted."""
-    created = await clients.http.post("/sessions", json={"adapter": adapter} if adapter else None)
-    created.raise_for_status()
-    session_id = created.json()["session_id"]
+    session_id = await clients.create_session(adapter)
     try:
         chat = chat_fn(ctx, clients.agent_client(session_id), before_turn)
         episode = await ctx.agent(ctx.task, prompt, chat, ctx.plan.rollout.max_turns)
-        reply = await clients.http.post(f"/sessions/{session_id}/samples", json={"max_seq_len": None})
-        if reply.status_code != 200:
-            raise RuntimeError(f"session {session_id}: /samples answered {reply.status_code}: {reply.text}")
-        [sample] = decode_samples(reply.content).samples
+        [sample] = decode_samples(await clients.samples(session_id)).samples
     except BaseException:
         # The episode's own error (a cancel, a server gone) is the one to raise: a session server that is gone
         # would fail the delete too, and that error would replace it.
         with contextlib.suppress(httpx.HTTPError):
-            await clients.http.delete(f"/sessions/{session_id}")
+            await clients.delete_session(session_id)
         raise
-    await clients.http.delete(f"/sessions/{session_id}")
+    await clients.delete_session(session_id)
     sample.reward = ctx.reward(prompt, episode.replies)
     sample.metadata.update(prompt_index=prompt.index, label=prompt.label, turns=len(episode.replies))
     return sample

@@ -32,7 +32,7 @@ from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.plugins.agents import AgentFn
 from miles_runner.plugins.lookup import get_agent, get_reward, make_task
 from miles_runner.plugins.tasks import Prompt, Task
-from miles_runner.rollout.agentic import EpisodeAborted, SessionClients, play_episode
+from miles_runner.rollout.agentic import EpisodeAborted, SessionCallError, SessionClients, play_episode
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.single_turn import generate_sample
 from miles_runner.session.samples import Sample, SampleStatus
@@ -179,9 +179,7 @@ def session_unreachable(error: Exception) -> bool:
 
     if isinstance(error, httpx.TransportError | openai.APIConnectionError):
         return True
-    if isinstance(error, httpx.HTTPStatusError):
-        return error.response.status_code in UNAVAILABLE_STATUS
-    return isinstance(error, openai.APIStatusError) and error.status_code in UNAVAILABLE_STATUS
+    return isinstance(error, SessionCallError | openai.APIStatusError) and error.status_code in UNAVAILABLE_STATUS
 
 
 def adapter_missing_on_engine(error: Exception) -> bool:
