@@ -9,7 +9,6 @@ requests aborted.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from miles_runner.core.sglang_protocol import LORA_BROADCAST_ROUTE, MILES_FORK
 from miles_runner.embedded_engine import openai_chat
 from miles_runner.embedded_engine import openapi_docs as docs
 from miles_runner.embedded_engine.engine import EmbeddedEngine
+from miles_runner.embedded_engine.json_response import OrjsonResponse, sse_event
 from miles_runner.embedded_engine.native_response import generate_item
 from miles_runner.embedded_engine.protocol import (
     AbortReqInput,
@@ -184,10 +184,6 @@ def _error_abort(results: list[GenerationResult]) -> dict | None:
     return None
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"], responses=docs.generate_responses())
     async def generate(body: GenerateReqInput, request: Request):
@@ -202,16 +198,16 @@ def _add_generation_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
         if failed is not None:
             return error_response(request, failed["message"], failed["status_code"])
         items = [generate_item(r) for r in results]
-        return items if as_list else items[0]
+        return OrjsonResponse(items if as_list else items[0])
 
-    async def _native_stream(requests: list[GenRequest], as_list: bool, parent: str | None) -> AsyncIterator[str]:
+    async def _native_stream(requests: list[GenRequest], as_list: bool, parent: str | None) -> AsyncIterator[bytes]:
         async for index, result in engine.generate(requests, parent_rid=parent):
             failed = _error_abort([result])
             if failed is not None:
-                yield _sse({"error": {"message": failed["message"]}})
+                yield sse_event({"error": {"message": failed["message"]}})
                 break
-            yield _sse(generate_item(result, index if as_list else None))
-        yield "data: [DONE]\n\n"
+            yield sse_event(generate_item(result, index if as_list else None))
+        yield b"data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions", responses=docs.chat_responses())
     async def chat_completions(body: ChatCompletionRequest, request: Request):
