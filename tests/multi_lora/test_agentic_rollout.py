@@ -26,7 +26,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.lookup import get_agent, get_reward, make_task
 from miles_runner.procs.ports import LOOPBACK, free_port
-from miles_runner.rollout.agentic import SessionClients, rollout_agentic
+from miles_runner.rollout.agentic import SessionCallError, SessionClients, rollout_agentic
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.session.app import create_app
@@ -215,6 +215,28 @@ async def test_an_unreachable_session_server_costs_the_group_not_the_run(workers
     samples = await play_group(rollout, adapter)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert rollout.aborted["retry"] == 2
+
+
+async def test_a_session_server_that_is_shutting_down_costs_the_group_not_the_run(session_server, workers, plan, tito):
+    """Its POST /sessions answers 503 (a SessionCallError with that status): read as a session server out of reach,
+    as a refused connection is, not as an error of the run."""
+    await session_server.core.shutdown()
+    adapter = retry_adapter()
+    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
+                               seed=0)  # fmt: skip
+    samples = await play_group(rollout, adapter)
+    assert {s.status for s in samples} == {SampleStatus.ABORTED}
+    assert rollout.aborted["retry"] == 2 and not session_server.core.sessions
+
+
+async def test_a_session_call_the_server_refuses_raises_naming_the_call_and_its_answer(session_server):
+    async with SessionClients(session_server.url) as clients:
+        with pytest.raises(SessionCallError, match=r"POST /sessions answered 400: .*adapter") as refused:
+            await clients.create_session({"name": "retry"})  # a binding without its slot
+        assert refused.value.status_code == 400
+        with pytest.raises(SessionCallError, match="answered 404"):
+            await clients.samples("no-such-session")
+        await clients.delete_session("no-such-session")  # deleting what is gone is no error
 
 
 @pytest.mark.parametrize("through_sessions", [True, False], ids=["session", "native"])
