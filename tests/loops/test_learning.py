@@ -7,7 +7,7 @@ control run turns push verification off explicitly (weight_sync.verify=false): w
 same fault stops the run at the first push after step 0, whose probe differs from the trainer (lora/probe.py),
 before the trainer trains further: under the sync and the async driver alike.
 
-The learning run takes the recipe's first 30 steps (recipe_runs.LEARNING_STEPS). The control runs 20: its rollouts
+The learning run takes the recipe's first 35 steps (recipe_runs.LEARNING_STEPS). The control runs 20: its rollouts
 come from the same frozen adapter at every step, so its reward is one distribution throughout, and `gain` (the mean of
 the last 10 steps minus that of the first 10) measures the same thing with the same noise over 20 steps as over 40.
 """
