@@ -53,15 +53,11 @@ def free_port_block(count: int, host: str = LOOPBACK, attempts: int = ATTEMPTS, 
     for _ in range(attempts):
         base = _pick.choice(candidates) if len(candidates) > count else _kernel_port(host)
         block = [(host, base + i) for i in range(count)]
-        if (base + count <= 65536 and not _handed_out.intersection(block) and not avoid_hit(base, count, avoid)
+        if (base + count <= 65536 and not _handed_out.intersection(block) and not any(p in avoid for _, p in block)
                 and all(port_is_free(*p) for p in block)):  # fmt: skip
             _handed_out.update(block)
             return base
     raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")
-
-
-def avoid_hit(base: int, count: int, avoid: Collection[int]) -> bool:
-    return any(base + i in avoid for i in range(count))
 
 
 def _kernel_port(host: str) -> int:

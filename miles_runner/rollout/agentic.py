@@ -25,7 +25,7 @@ from miles_runner.rollout.context import RolloutContext
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.samples import Sample
 
-SESSION_CALL_TIMEOUT_S = 600.0  # a call waits out a weight update that pauses the engines (in_place, retract)
+SESSION_CALL_TIMEOUT_S = 600.0  # an agent's turn waits out the engines' pause for a weight update
 BeforeTurn = Callable[[], Awaitable[bool]]  # asked before each turn is sent: may the episode go on?
 
 
