@@ -28,6 +28,7 @@ from miles_runner.embedded_engine.lora_registry import (
     read_adapter_config,
 )
 from miles_runner.embedded_engine.model_runner import ModelRunner
+from miles_runner.embedded_engine.prefix_cache import PrefixCache
 from miles_runner.embedded_engine.protocol import (
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
@@ -78,6 +79,7 @@ class EmbeddedEngine:
             max_running_requests=args.max_running_requests,
             max_loras_per_batch=args.max_loras_per_batch,
             weight_version=args.weight_version,
+            prefix_cache=None if args.disable_radix_cache else PrefixCache(),
         )
         self._inflight: Counter[str] = Counter()  # item rids and request (parent) rids
         self._gated: set[str] = set()  # item rids waiting at the pause gate (not yet with the scheduler)
@@ -136,6 +138,7 @@ class EmbeddedEngine:
         top_logprobs = _per_item(body.top_logprobs_num, count, "top_logprobs_num", batched)
         token_ids_logprob = _token_ids_logprob(body.token_ids_logprob, count)
         rids = _item_rids(body.rid, count, batched)
+        extra_keys = _per_item(body.extra_key, count, "extra_key", batched)
         self.limits.check_request([(params or SamplingParams()).n for params in sampling])
         if body.custom_logit_processor is not None:
             raise ValueError(
@@ -156,6 +159,7 @@ class EmbeddedEngine:
             requests += self.samples_for_prompt(
                 rids[i], prompt, params, adapter=lora[i], logprob=logprob,
                 routed=body.return_routed_experts, routed_start=body.routed_experts_start_len, stream=body.stream,
+                extra_key=extra_keys[i] or None,  # SGLang: an empty key is no key
             )  # fmt: skip
         return requests, batched or len(requests) > 1
 
@@ -174,7 +178,7 @@ class EmbeddedEngine:
 
     def samples_for_prompt(
         self, rid: str, prompt: list[int], params: SamplingParams, *, adapter: str | None,
-        logprob: LogprobRequest, routed: bool, routed_start: int, stream: bool,
+        logprob: LogprobRequest, routed: bool, routed_start: int, stream: bool, extra_key: str | None = None,
     ) -> list[GenRequest]:  # fmt: skip
         verify_sampling(params, self.runner.vocab_size)
         self.limits.check_request([params.n])
@@ -191,6 +195,7 @@ class EmbeddedEngine:
                 return_routed_experts=routed and self.args.enable_return_routed_experts and self.runner.is_moe,
                 routed_experts_start_len=routed_start,
                 stream=stream,
+                extra_key=extra_key,
             )
             for j, sample_rid in enumerate(rids)
         ]
@@ -335,8 +340,8 @@ class EmbeddedEngine:
         return not self._unpaused.is_set()
 
     async def flush_cache(self) -> bool:
-        """True when flushed. There is no prefix cache to drop; refused while requests hold or await KV."""
-        return await self.scheduler.call(lambda: not self.scheduler.holds_requests())
+        """True when the prefix cache was dropped; refused while requests hold or await KV."""
+        return await self.scheduler.call(self.scheduler.flush_prefix_cache)
 
     async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput) -> str:
         def load() -> int:

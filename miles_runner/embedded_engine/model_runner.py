@@ -12,6 +12,8 @@
   peft's modules again (24 of the 34 ms of a sync, bench/adapter_sync_bandwidth.py), as SGLang's LoRA memory pool
   reuses its buffers. A parked adapter is never served (the engine's registry no longer names it); any other load
   deletes it first.
+- Every change of weights bumps a generation (the base's, or the adapter's), and prefix-cache entries carry the one
+  their KV was computed under (``kv_generation``): KV of replaced weights is never reused.
 - Only the scheduler's worker thread calls into this class, so no locking is needed here.
 """
 
@@ -80,6 +82,15 @@ class ModelRunner:
         self.peft = self._wrap_for_lora(lora_target_modules) if enable_lora else None
         self._from_tensors: dict[str, TensorAdapter] = {}  # adapters loaded from tensors, parked ones included
         self._parked: str | None = None
+        self._base_generation = 0
+        self._adapter_generations: dict[str | None, int] = {}
+
+    def kv_generation(self, adapter: str | None) -> tuple[int, int]:
+        """Changes whenever the weights that a request of `adapter` runs with may have changed."""
+        return self._base_generation, self._adapter_generations.get(adapter, 0)
+
+    def _adapter_changes(self, name: str) -> None:
+        self._adapter_generations[name] = self._adapter_generations.get(name, 0) + 1
 
     # ----- routing capture -------------------------------------------------------------------------------
     @property
@@ -187,6 +198,7 @@ class ModelRunner:
 
     def load_adapter_from_path(self, name: str, path: str) -> None:
         peft = self._require_lora()
+        self._adapter_changes(name)
         self._drop_parked()
         try:
             peft.load_adapter(path, adapter_name=name, is_trainable=False)
@@ -201,6 +213,7 @@ class ModelRunner:
     ) -> None:
         """Load `tensors` as adapter `name`. They become its weights unless `borrowed` (views of memory the caller
         keeps, such as a shared-memory segment): then they are copied."""
+        self._adapter_changes(name)
         if self._reload_parked(name, config_dict, tensors):
             return
         self._drop_parked()
@@ -244,12 +257,14 @@ class ModelRunner:
         if given != expected:
             differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
             raise ValueError(f"tensors for an in-place update of {name} differ in names or shapes: {differ}")
+        self._adapter_changes(name)
         set_peft_model_state_dict(peft, tensors, adapter_name=name)
 
     def unload_adapter(self, name: str) -> None:
         peft = self._require_lora()
         if name not in peft.peft_config or name == self._parked:
             raise ValueError(f"LoRA adapter {name} is not loaded")
+        self._adapter_changes(name)
         self._drop_parked()
         if name in self._from_tensors:
             self._parked = name  # kept for a reload of the same name and config (see the module's docstring)
@@ -297,6 +312,7 @@ class ModelRunner:
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"shape mismatch for {name}: model {tuple(target.shape)}, got {tuple(tensor.shape)}")
             resolved[name] = target
+        self._base_generation += 1
         for name, target in resolved.items():
             target.copy_(named_tensors[name].to(target.dtype))
         return len(resolved)

@@ -19,7 +19,7 @@ def meta_info(result: GenerationResult) -> dict:
     meta: dict = {"id": result.rid, "finish_reason": result.finish_reason}
     if not result.in_queue_abort:
         meta["prompt_tokens"] = result.prompt_tokens
-        meta["cached_tokens"] = 0
+        meta["cached_tokens"] = result.cached_tokens
         meta["num_retractions"] = result.num_retractions
     meta["weight_version"] = result.weight_version
     meta["completion_tokens"] = len(result.output_ids)

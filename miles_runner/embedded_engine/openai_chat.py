@@ -63,6 +63,7 @@ def build_chat_requests(engine: EmbeddedEngine, body: ChatCompletionRequest) -> 
     requests = engine.samples_for_prompt(
         rid, chat_prompt_ids(engine, body), params, adapter=adapter, logprob=logprob,
         routed=body.return_routed_experts, routed_start=body.routed_experts_start_len, stream=body.stream,
+        extra_key=body.extra_key or None,
     )  # fmt: skip
     return rid, requests
 

@@ -12,6 +12,7 @@ import torch
 
 from miles_runner.embedded_engine.detokenizer import Detokenizer, find_stop_string
 from miles_runner.embedded_engine.model_runner import KVCache, RowInput, RowOutput
+from miles_runner.embedded_engine.prefix_cache import CachedPrefix
 from miles_runner.embedded_engine.sampling import Choice, SamplingConfig, choose_token
 from miles_runner.engine.routed_experts import encode_routed_experts
 
@@ -38,6 +39,7 @@ class GenRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     stream: bool = False
+    extra_key: str | None = None  # the prefix cache's namespace (SGLang's radix key), with the adapter
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GenerationResult:
     input_token_ids_logprobs: list[list[LogprobTriple]] | None = None
     output_token_ids_logprobs: list[list[LogprobTriple]] | None = None
     routed_experts: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -79,6 +82,9 @@ class ReqState:
         self.cache: KVCache | None = None
         self.kv_len = 0
         self.routing_chunks: list[np.ndarray] = []
+        self.prefix: CachedPrefix | None = None  # the prefix-cache entry the last admission started from
+        self.cache_namespace: tuple | None = None  # the prefix cache's namespace at the last admission
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (at the first admission, as SGLang)
         self.finish_reason: dict | None = None
         self.num_retractions = 0
         self.created_at = time.monotonic()
@@ -97,7 +103,24 @@ class ReqState:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        return self.kv_len == 0 and self._input_logprobs is None and self.req.logprob.logprob_start_len >= 0
+        """Prompt logprobs were asked for and are not recorded yet: the next forward keeps every position's logits."""
+        spec = self.req.logprob
+        return self._input_logprobs is None and spec.return_logprob and spec.logprob_start_len >= 0
+
+    def prefix_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache (SGLang's max prefix length): all but the last,
+        and none past the first prompt position whose logprob is asked for."""
+        limit = len(self.tokens) - 1
+        return min(limit, self.req.logprob.logprob_start_len) if self.needs_prompt_logprobs else limit
+
+    def start_from(self, length: int, prefix: CachedPrefix) -> None:
+        """Begin from the first `length` tokens' KV (and routing) in the prefix cache."""
+        self.cache, routing = prefix.head(length)
+        self.kv_len = length
+        self.routing_chunks = [routing] if routing is not None else []
+        self.prefix = prefix
+        if not self.num_retractions:
+            self.cached_tokens = length
 
     def row_input(self) -> RowInput:
         return RowInput(
@@ -105,13 +128,13 @@ class ReqState:
             cache_len=self.kv_len,
             new_tokens=self.tokens[self.kv_len :],
             adapter=self.req.adapter,
-            all_logits=self.needs_prompt_logprobs and self.req.logprob.return_logprob,
+            all_logits=self.needs_prompt_logprobs,
         )
 
     def absorb_forward(self, out: RowOutput, detok: Detokenizer) -> torch.Tensor:
         """Take the new cache and routing; record prompt logprobs once; return the next-token logits."""
-        if out.logits.shape[0] > 1:
-            self._input_logprobs = self._prompt_logprobs(out.logits, detok)
+        if self.needs_prompt_logprobs:  # this forward kept the logits of positions kv_len..
+            self._input_logprobs = self._prompt_logprobs(out.logits, detok, first_position=self.kv_len)
         if out.routing is not None:
             self.routing_chunks.append(out.routing)
         self.cache = out.cache
@@ -120,7 +143,7 @@ class ReqState:
 
     def retract(self) -> None:
         """Drop the KV cache (and its routing rows); the request recomputes from its tokens later."""
-        self.cache, self.kv_len, self.routing_chunks = None, 0, []
+        self.cache, self.kv_len, self.routing_chunks, self.prefix = None, 0, [], None
         self.num_retractions += 1
 
     # ----- sampling and finishing ----------------------------------------------------------------------
@@ -170,8 +193,9 @@ class ReqState:
     def _triple(self, logprob: float | None, token_id: int, detok: Detokenizer) -> LogprobTriple:
         return [logprob, token_id, detok.token_text(token_id) if self.req.logprob.return_text else None]
 
-    def _prompt_logprobs(self, logits: torch.Tensor, detok: Detokenizer) -> _Logprobs:
-        """Entries for prompt positions ``start..len-1``; the first entry's logprob is null (SGLang)."""
+    def _prompt_logprobs(self, logits: torch.Tensor, detok: Detokenizer, first_position: int) -> _Logprobs:
+        """Entries for prompt positions ``start..len-1``; the first entry's logprob is null (SGLang). Row i of
+        `logits` is position ``first_position + i`` (the tokens before came from the prefix cache)."""
         prompt, start = self.req.input_ids, self.req.logprob.logprob_start_len
         records = _Logprobs()
         first = prompt[start] if start < len(prompt) else None
@@ -183,7 +207,7 @@ class ReqState:
                 records.token_ids.append([])
         scaled = torch.log_softmax(logits.float(), dim=-1)
         for position in range(start + 1, len(prompt)):
-            self._record(records, scaled[position - 1], prompt[position], detok)
+            self._record(records, scaled[position - 1 - first_position], prompt[position], detok)
         return records
 
     # ----- results -------------------------------------------------------------------------------------
@@ -199,6 +223,7 @@ class ReqState:
             e2e_latency=time.monotonic() - self.created_at,
             in_queue_abort=in_queue_abort,
             routed_experts=self._routed_experts() if self.req.return_routed_experts else None,
+            cached_tokens=self.cached_tokens,
             **self._logprob_fields(),
         )
 

@@ -5,8 +5,11 @@ and ``/pause_generation`` answer while a batch is generating. Each loop iteratio
 
 1. drain the inbox (new requests join the waiting queue; commands run between two steps);
 2. run deferred commands whose moment has come (weight updates once idle, adapter unloads once unused);
-3. admit waiting requests (``--max-running-requests``, ``--max-loras-per-batch`` distinct adapters);
-4. one step for every running request: prefills in one ragged forward, decodes in another.
+3. admit waiting requests (``--max-running-requests``, ``--max-loras-per-batch`` distinct adapters), each starting
+   from the longest prefix of its tokens in the prefix cache (``prefix_cache.py``; off with
+   ``--disable-radix-cache``);
+4. one step for every running request: prefills in one ragged forward, decodes in another. A request that
+   finishes leaves its KV in the prefix cache.
 
 Requests that arrive within a few milliseconds of each other start in the same prefill batch.
 
@@ -30,8 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from miles_runner.embedded_engine.detokenizer import Detokenizer
 from miles_runner.embedded_engine.model_runner import ModelRunner
+from miles_runner.embedded_engine.prefix_cache import PrefixCache
 from miles_runner.embedded_engine.request import ReqState
 
 logger = logging.getLogger(__name__)
@@ -62,8 +68,10 @@ class Scheduler:
         max_running_requests: int,
         max_loras_per_batch: int,
         weight_version: str,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.runner = runner
+        self.prefix_cache = prefix_cache
         self.detok = detok
         self.pad_id = pad_id
         self.context_length = context_length
@@ -148,6 +156,14 @@ class Scheduler:
     def resume(self) -> None:
         self.paused_mode = None
 
+    def flush_prefix_cache(self) -> bool:
+        """SGLang's /flush_cache: drop every cached prefix; refused (False) while requests hold or await KV."""
+        if self.holds_requests():
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
+
     def holds_requests(self) -> bool:
         """Whether a cache flush must be refused: requests resident (in_place) or still to run."""
         if self.paused_mode is not None:
@@ -219,6 +235,32 @@ class Scheduler:
                 adapters.add(adapter)
             self._waiting.remove(state)
             self._running.append(state)
+            if state.kv_len == 0:
+                self._start_from_prefix_cache(state)
+
+    def _namespace(self, state: ReqState) -> tuple:
+        adapter = state.req.adapter
+        return state.req.extra_key, adapter, self.runner.kv_generation(adapter)
+
+    def _start_from_prefix_cache(self, state: ReqState) -> None:
+        if self.prefix_cache is None:
+            return
+        state.cache_namespace = self._namespace(state)
+        length, prefix = self.prefix_cache.match(state.cache_namespace, state.tokens, state.prefix_limit())
+        if prefix is not None:
+            state.start_from(length, prefix)
+
+    def _keep_prefix(self, state: ReqState) -> None:
+        """Leave a finished request's KV in the prefix cache, unless the weights changed since it was admitted
+        (its KV would mix two versions) or it was aborted."""
+        if (self.prefix_cache is None or state.cache is None or state.finish_reason.get("type") == "abort"
+                or state.cache_namespace != self._namespace(state)):  # fmt: skip
+            return
+        routing = np.concatenate(state.routing_chunks) if state.routing_chunks else None
+        if self.runner.is_moe and (routing is None or len(routing) != state.kv_len):
+            return  # a later request's routed experts would miss rows
+        self.prefix_cache.insert(state.cache_namespace, state.tokens[: state.kv_len], state.cache, routing,
+                                 replaces=state.prefix)  # fmt: skip
 
     def _step_safely(self) -> None:
         try:
@@ -239,6 +281,7 @@ class Scheduler:
         for state in list(self._running):
             if state.finish_reason is not None:
                 self._running.remove(state)
+                self._keep_prefix(state)
                 self._deliver(state)
             elif state.req.stream:
                 self._deliver(state)
