@@ -79,9 +79,11 @@ async def _in_process_rate(model_dir: Path, concurrency: int, per_client: int, m
         engine.shutdown()
 
 
-def _start_server(model_dir: Path, log) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, log, *flags: str) -> tuple[subprocess.Popen, str]:
+    """An embedded engine on a free loopback port (the model's defaults, plus `flags`), once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir), "--port", str(port),
+           *flags]  # fmt: skip
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -100,7 +102,7 @@ def measure(per_client: int, max_new_tokens: int) -> dict:
     torch.set_num_threads(1)  # as the server does
     model_dir = ensure_tiny_model("tiny-moe")
     with tempfile.TemporaryFile("w+") as log:
-        process, url = _start_server(model_dir, log)
+        process, url = start_server(model_dir, log)
         try:
             http = {c: asyncio.run(_http_rate(url, c, per_client, max_new_tokens)) for c in CONCURRENCY}
         finally:

@@ -37,7 +37,7 @@ import numpy as np
 
 from miles_runner.embedded_engine.detokenizer import Detokenizer
 from miles_runner.embedded_engine.model_runner import ModelRunner
-from miles_runner.embedded_engine.prefix_cache import PrefixCache
+from miles_runner.embedded_engine.prefix_cache import BLOCK, PrefixCache
 from miles_runner.embedded_engine.request import ReqState
 
 logger = logging.getLogger(__name__)
@@ -252,15 +252,18 @@ class Scheduler:
 
     def _keep_prefix(self, state: ReqState) -> None:
         """Leave a finished request's KV in the prefix cache, unless the weights changed since it was admitted
-        (its KV would mix two versions) or it was aborted."""
+        (its KV would mix two versions), it was aborted, or the cache already holds all but less than a block of
+        its tokens (the other samples of a group: one copy of their prompt is enough)."""
         if (self.prefix_cache is None or state.cache is None or state.finish_reason.get("type") == "abort"
                 or state.cache_namespace != self._namespace(state)):  # fmt: skip
+            return
+        tokens = state.tokens[: state.kv_len]
+        if state.kv_len - self.prefix_cache.match(state.cache_namespace, tokens, state.kv_len)[0] < BLOCK:
             return
         routing = np.concatenate(state.routing_chunks) if state.routing_chunks else None
         if self.runner.is_moe and (routing is None or len(routing) != state.kv_len):
             return  # a later request's routed experts would miss rows
-        self.prefix_cache.insert(state.cache_namespace, state.tokens[: state.kv_len], state.cache, routing,
-                                 replaces=state.prefix)  # fmt: skip
+        self.prefix_cache.insert(state.cache_namespace, tokens, state.cache, routing, replaces=state.prefix)
 
     def _step_safely(self) -> None:
         try:
