@@ -2,7 +2,7 @@
 its whole conversation plus a new user message (as the session server's turns do), with the cache on and with
 `--disable-radix-cache`.
 
-    .venv/bin/python -m bench.prefix_cache [--sessions 16] [--turns 8] [--repeats 3]
+    .venv/bin/python -m bench.prefix_cache [--sessions 32] [--turns 16] [--repeats 5]
 
 Writes bench/results/prefix_cache.json and the "prefix_cache" section of bench/REPORT.md: per setting, the wall
 time of the whole workload and the engine process's CPU seconds (medians over interleaved repeats), and the share of
@@ -116,9 +116,9 @@ def write_report(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     results = measure(args.sessions, args.turns, args.repeats)
     write_report(results)
