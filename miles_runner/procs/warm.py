@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import logging
@@ -324,6 +325,10 @@ class WarmServer:
     def _fork(self, conn: socket.socket, request: dict, stdio: list[int]) -> ChildTask | None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        # The child's garbage collections then skip every object the server holds (the preloaded libraries): each
+        # full collection in a child wrote to all of their headers, copying the pages a fork shares. Half the CPU of
+        # a warm engine's start (0.53 -> 0.27 s to its first answer); the collection pass Python's docs advise.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             self._become_child(request, conn, stdio)
@@ -545,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     environ, started = dict(os.environ), time.monotonic()
     imported, read = preload(args.preload)
+    gc.collect()  # what the imports left as garbage is freed, not frozen with the rest before the first fork
     log.info("preloaded %d modules in %.1f s, which read %d environment variables: %s",
              len(imported), time.monotonic() - started, len(read), ", ".join(imported))  # fmt: skip
     task = WarmServer(args.socket, environ, read, args.modules).run()

@@ -1,6 +1,7 @@
 """`python -m tests.procs.warm_probe OUT CODE`: writes what this process sees of its start to OUT (JSON), prints a
 line to its log, then exits with CODE, or with CODE "wait" waits for a signal (tests/procs/test_warm.py)."""
 
+import gc
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ def seen() -> dict:
         "threads": threading.active_count(),
         "root_logging": [logging.root.level, len(logging.root.handlers)],  # not the server's basicConfig
         "numpy_draw": float(np.random.random()),
+        "gc_enabled": gc.isenabled(),
+        "frozen_objects": gc.get_freeze_count(),  # what this process's full collections skip
         "main_has_only_its_own_names": "WarmServer" not in sys.modules["__main__"].__dict__,
     }
 
