@@ -9,6 +9,7 @@ import uvicorn
 from miles_runner.embedded_engine.app import create_app
 from miles_runner.embedded_engine.args import log_ignored_flags, parse_args
 from miles_runner.embedded_engine.engine import EmbeddedEngine
+from miles_runner.procs.heap import freeze_startup_heap
 
 # Requests get aborted on SIGTERM, so open connections finish at once; this only bounds stragglers.
 GRACEFUL_SHUTDOWN_S = 3
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    freeze_startup_heap()
     _EngineServer(config, engine).run()
 
 

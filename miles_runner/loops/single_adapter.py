@@ -35,6 +35,7 @@ from miles_runner.lora.sync import make_sync, share_trainer_adapter
 from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
+from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.rollout.agentic import SessionClients, rollout_agentic
 from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.single_turn import rollout_single_turn
@@ -151,6 +152,7 @@ class SingleAdapterLoop:
                       if plan.sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
         self.adapter_shared = share_trainer_adapter(trainer, sync)
+        freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
         self._stamp("rollout_ready")
         try:
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.

@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from miles_runner.core.tito_families import TITO_FAMILIES
+from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.session.app import create_app, stop_turns
 from miles_runner.session.config import SessionServerConfig
 from miles_runner.session.messages import MATCHERS
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )
+    freeze_startup_heap()
     SessionServer(app, settings).run()
 
 

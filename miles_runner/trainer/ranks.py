@@ -34,6 +34,7 @@ import torch.distributed as dist
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.record import read_plan
 from miles_runner.plan.render import trainer_rank_launch
+from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.procs.launch import launch_process
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
@@ -209,6 +210,7 @@ def follow(run_dir: Path, rank: int, master_address: str, master_port: int) -> N
     plan = read_plan(run_dir / "plan.yaml")
     commands = join_group(plan, rank, master_address, master_port)
     trainer = build_trainer(plan)
+    freeze_startup_heap()
     while (command := _receive(commands))[0] != EXIT:
         name, args, kwargs = command
         try:

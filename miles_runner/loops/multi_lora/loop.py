@@ -28,6 +28,7 @@ from miles_runner.multi_lora.collect import EmptyBatchTimeoutError, TrainBatch, 
 from miles_runner.multi_lora.producer import GroupProducer
 from miles_runner.multi_lora.registry import RegistrySnapshot
 from miles_runner.plan.model import Plan
+from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.rollout.context import RolloutContext, rollout_workers
 from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.trainer.ranks import make_trainer
@@ -65,6 +66,7 @@ class MultiLoRALoop:
         rollout_client = rollout_workers(self.plan, deployment.engine_urls, api_key=deployment.api_key)
         producer = self._connect(deployment, rollout_client)
         self._assemble(deployment.trainer_address)
+        freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
         producer.start()
         try:
             await self._loop()
