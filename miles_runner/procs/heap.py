@@ -1,6 +1,6 @@
 """The start-up heap of a long-lived component, frozen out of Python's garbage collections.
 
-A component imports torch, transformers, FastAPI and the rest (about a million objects the collector tracks), then
+A component imports torch, transformers, FastAPI and the rest (about 460,000 objects the collector tracks), then
 serves or trains for the rest of its life. Each full collection walked all of them again, and the driver, engine and
 session server allocate enough per step to trigger one every few steps. Freezing them once the component has
 started (gc.freeze: they move to a generation no collection visits) leaves the collector what the work itself

@@ -327,7 +327,7 @@ class WarmServer:
             stream.flush()
         # The child's garbage collections then skip every object the server holds (the preloaded libraries): each
         # full collection in a child wrote to all of their headers, copying the pages a fork shares. Half the CPU of
-        # a warm engine's start (0.53 -> 0.27 s to its first answer); the collection pass Python's docs advise.
+        # a warm engine's start (0.53 -> 0.26 s to its first answer); Python's gc docs advise it before a fork.
         gc.freeze()
         pid = os.fork()
         if pid == 0:
