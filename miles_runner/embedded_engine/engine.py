@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles_runner.embedded_engine.args import ServerArgs
 from miles_runner.embedded_engine.detokenizer import Detokenizer
@@ -46,6 +47,10 @@ from miles_runner.embedded_engine.validation import GREEDY_BELOW, Limits, check_
 from miles_runner.embedded_engine.weight_groups import WeightUpdateGroups
 from miles_runner.engine.tensor_shm import SegmentReader
 from miles_runner.engine.tensor_wire import borrowed_named_tensors, check_tensor_checksums, deserialize_named_tensors
+from miles_runner.engine.weight_update_group import parse_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -419,15 +424,24 @@ class EmbeddedEngine:
         overwrites its weights in place (requests paused in place keep running on the same adapter)."""
         async with self._lora_lock:
             in_place = body.upsert and body.lora_name in self.lora.loaded_adapters()
+            into = None
             if not in_place:
                 self.lora.check_new(body.lora_name, body.config_dict)
-            tensors = await self.weight_groups.receive(body.group_name, body.names, body.dtypes, body.shapes)
+                into = await self.scheduler.call(lambda: self._parked_weights(body))
+            tensors = await self.weight_groups.receive(body.group_name, body.names, body.dtypes, body.shapes, into=into)
             if in_place:
                 await self.scheduler.call(
                     lambda: self.runner.replace_adapter_weights(body.lora_name, body.config_dict, tensors)
                 )
             else:
                 await self._add_adapter(body.lora_name, body.config_dict, tensors, body.pinned)
+
+    def _parked_weights(self, body: LoadLoRAAdapterFromDistributedReqInput) -> dict[str, torch.Tensor] | None:
+        """Where the broadcast may land: the parked adapter's weights, when this load would reuse them (the
+        unload-then-load of a single-adapter sync); the reload then copies nothing."""
+        shapes = {name: tuple(shape) for name, shape in zip(body.names, body.shapes, strict=True)}
+        dtypes = {name: parse_dtype(dtype) for name, dtype in zip(body.names, body.dtypes, strict=True)}
+        return self.runner.parked_weights(body.lora_name, body.config_dict, shapes, dtypes)
 
     async def _add_adapter(
         self, name: str, config: dict, tensors: dict, pinned: bool, *, borrowed: bool = False

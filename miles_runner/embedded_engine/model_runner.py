@@ -271,20 +271,39 @@ class ModelRunner:
         else:
             peft.delete_adapter(name)
 
+    def parked_weights(
+        self, name: str, config_dict: dict, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]
+    ) -> dict[str, torch.Tensor] | None:
+        """The parked adapter's own weights when a load of `name` with this config and these tensor names,
+        shapes and dtypes (the engine's, so no cast) would reuse them; None otherwise. A receiver may write the
+        tensors straight into them and hand them to `load_adapter_from_tensors`, which then copies nothing.
+        Writing is safe while the engine's LoRA lock is held: a parked adapter is never served, and only a load,
+        which writes every tensor, revives it."""
+        parked = self._reusable_parked(name, config_dict, shapes)
+        if parked is None or any(dtypes[key] != w.dtype for key, w in parked.weights.items()):
+            return None
+        return dict(parked.weights)
+
     def _reload_parked(self, name: str, config_dict: dict, tensors: dict[str, torch.Tensor]) -> bool:
         """Copy `tensors` into the parked adapter's weights when it has this name, config, tensor names and
         shapes; then it is loaded again. False (nothing written) otherwise."""
-        parked = self._from_tensors.get(name) if name == self._parked else None
-        if parked is None or parked.config_dict != config_dict:
-            return False
-        shapes = {key: tuple(t.shape) for key, t in tensors.items()}
-        if shapes != {key: tuple(w.shape) for key, w in parked.weights.items()}:
+        parked = self._reusable_parked(name, config_dict, {key: tuple(t.shape) for key, t in tensors.items()})
+        if parked is None:
             return False
         with torch.no_grad():
             for key, tensor in tensors.items():
-                parked.weights[key].copy_(tensor)  # casts to the engine's dtype, as a fresh load does
+                if tensor is not parked.weights[key]:  # received in place (parked_weights): already there
+                    parked.weights[key].copy_(tensor)  # casts to the engine's dtype, as a fresh load does
         self._parked = None
         return True
+
+    def _reusable_parked(
+        self, name: str, config_dict: dict, shapes: dict[str, tuple[int, ...]]
+    ) -> TensorAdapter | None:
+        parked = self._from_tensors.get(name) if name == self._parked else None
+        if parked is None or parked.config_dict != config_dict:
+            return None
+        return parked if shapes == {key: tuple(w.shape) for key, w in parked.weights.items()} else None
 
     def _drop_parked(self) -> None:
         if self._parked is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from miles_runner.embedded_engine.scheduler import settle_future
 from miles_runner.engine.weight_update_group import (
+    broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,
     parse_dtype,
@@ -63,14 +64,25 @@ class WeightUpdateGroups:
             destroy_weight_update_group(self._take(group_name))
 
     async def receive(
-        self, group_name: str, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+        self,
+        group_name: str,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The tensors rank 0 broadcasts next, in ``names`` order (checked before anything is received)."""
+        """The tensors rank 0 broadcasts next, in ``names`` order (checked before anything is received): written
+        into ``into`` (tensors of these names, shapes and dtypes) when given, else into new tensors."""
         parsed = [parse_dtype(d) for d in dtypes]
         async with self._lock:
             group = self._get(group_name)
             try:
-                tensors = await _on_daemon_thread(lambda: receive_tensors(parsed, shapes, group))
+                if into is None:
+                    tensors = await _on_daemon_thread(lambda: receive_tensors(parsed, shapes, group))
+                else:
+                    tensors = [into[name] for name in names]
+                    await _on_daemon_thread(lambda: broadcast_tensors(tensors, group))
             except Exception as exc:
                 destroy_weight_update_group(self._take(group_name))
                 raise ValueError(

@@ -94,7 +94,18 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Send every tensor from rank 0, in order (each must be contiguous); return once all have arrived."""
+    """Send every tensor from rank 0, in order (each must be contiguous); return once all have arrived.
+
+    The same collectives, one per tensor in order, whichever way they are issued. NCCL queues them all at once
+    (as SGLang's receiver does). Gloo runs them one at a time: with several in flight, its TCP loop thread
+    spins on `epoll_wait` while a worker thread holds the connection's lock (`Pair::handleEvents` only
+    try-locks), and on a 2-core machine the spinner starves the holder. The median receive of an adapter went
+    from about 12 ms to 4-7 ms (bench/adapter_sync_bandwidth.py).
+    """
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        for tensor in tensors:
+            dist.broadcast(tensor, group=group, group_src=0)
+        return
     handles = [dist.broadcast(tensor, group=group, group_src=0, async_op=True) for tensor in tensors]
     for handle in handles:
         handle.wait()

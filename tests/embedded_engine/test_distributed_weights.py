@@ -137,6 +137,20 @@ async def test_upsert_replaces_a_loaded_adapters_weights_in_place(http, group, a
         await unload(http, "slot")
 
 
+async def test_a_reload_by_broadcast_after_an_unload_serves_the_new_weights(http, group, adapter_dirs):
+    """The sync's unload-then-load: the second receive lands in the unloaded adapter's weights (parked_weights)."""
+    base = await logprobs(http)
+    assert (await load_lora_by_broadcast(http, group, "again", adapter_dirs["attn_b"])).status_code == 200
+    adapted = await logprobs(http, "again")
+    assert adapted != pytest.approx(base, abs=1e-5)
+    for scale, expected in ((0.0, base), (1.0, adapted)):
+        await unload(http, "again")
+        reply = await load_lora_by_broadcast(http, group, "again", adapter_dirs["attn_b"], scale=scale)
+        assert reply.status_code == 200, reply.text
+        assert await logprobs(http, "again") == pytest.approx(expected, abs=1e-5)
+    await unload(http, "again")
+
+
 async def test_upsert_with_other_shapes_is_400_and_keeps_the_adapter(http, group, adapter_dirs):
     assert (await load_lora_by_broadcast(http, group, "slot2", adapter_dirs["attn_b"])).status_code == 200
     try:

@@ -91,6 +91,32 @@ def test_a_reload_of_the_same_name_and_config_writes_into_the_unloaded_adapters_
         runner.unload_adapter("again")
 
 
+def test_a_receiver_may_write_a_reload_into_the_parked_weights_and_nothing_is_copied(runner, adapter):
+    config, tensors = adapter
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    fp32 = dict.fromkeys(tensors, torch.float32)
+    assert runner.parked_weights("landing", config, shapes, fp32) is None  # nothing parked yet
+    runner.load_adapter_from_tensors("landing", config, {k: t.clone() for k, t in tensors.items()})
+    assert runner.parked_weights("landing", config, shapes, fp32) is None  # loaded and served: not a landing place
+    runner.unload_adapter("landing")
+    assert runner.parked_weights("other", config, shapes, fp32) is None
+    assert runner.parked_weights("landing", {**config, "lora_alpha": 32}, shapes, fp32) is None
+    assert runner.parked_weights("landing", config, shapes, dict.fromkeys(tensors, torch.bfloat16)) is None
+    landing = runner.parked_weights("landing", config, shapes, fp32)
+    assert landing is not None and set(landing) == set(tensors)
+    storage = {key: p.data_ptr() for key, p in adapter_weights(runner, "landing").items()}
+    with torch.no_grad():
+        for key, weight in landing.items():  # what the broadcast receive does
+            weight.copy_(3 * tensors[key])
+    runner.load_adapter_from_tensors("landing", config, landing)
+    try:
+        assert {key: p.data_ptr() for key, p in adapter_weights(runner, "landing").items()} == storage
+        loaded = state(runner, "landing")
+        assert all(torch.equal(loaded[k], 3 * tensors[k]) for k in tensors)
+    finally:
+        runner.unload_adapter("landing")
+
+
 def test_a_reload_with_another_config_builds_the_adapter_afresh(runner, adapter):
     config, tensors = adapter
     runner.load_adapter_from_tensors("rescaled", config, tensors)
