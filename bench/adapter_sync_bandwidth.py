@@ -70,6 +70,7 @@ NUM_LAYERS = 2
 MODEL_NAME = f"qwen2.5-0.5b-shape-{NUM_LAYERS}layers-seed0"
 MEMORY_COPY_BYTES = 256 * 2**20
 PATHS = ("tensor", "tensor_copied", "tensor_inline", "broadcast")
+ROUNDS = 4  # the repeats of each rank are spread over this many rounds (measure_path)
 TARGET_FRACTION = 0.30  # the issue's target: sync at >= 30% of the copy bandwidth
 ADAPTER = "bench_adapter"
 DISAGGREGATED = ("topology=disaggregated", "topology.rollout_num_gpus=1", "topology.actor_num_gpus_per_node=1")
@@ -155,25 +156,34 @@ async def seconds_of(call: Callable[[], Awaitable[Any]], repeats: int) -> list[f
 async def measure_path(
     sync: AdapterSync, adapters: dict[int, tuple], repeats: int, *, shared: bool = False
 ) -> dict[int, dict[str, float]]:
-    """Push and load seconds per rank (median, and min: the least disturbed run on a busy machine); the first
-    push of each rank is a warm-up (and joins the broadcast group). `shared`: the tensors move into the sync's
-    shared memory first, as the trainer's parameters do, and every push sends them from there."""
-    figures = {}
+    """Push and load seconds per rank (median, and min: the least disturbed run on a busy machine). The repeats
+    of each rank are spread over ROUNDS rounds in alternating rank order, so that a slow spell of the machine
+    does not fall on one rank alone and tilt the marginal slope. Each round's first push of a rank is untimed:
+    the rank change rebuilds the engine's adapter (and the first joins the broadcast group). `shared`: the
+    tensors move into the sync's shared memory first, as the trainer's parameters do, and every push sends
+    them from there."""
+    times: dict[int, dict[str, list[float]]] = {rank: {"push": [], "load": []} for rank in adapters}
     versions = itertools.count(1)
-    for rank, (tensors, config) in adapters.items():
-        if shared:
-            assert isinstance(sync, TensorSync)
-            tensors = sync.share(tensors)
-            assert tensors is not None, "the engine on this host does not read shared memory"
-        report = await sync.push(tensors, config, next(versions))
-        assert report.shared_memory == shared
-        calls = {"push": functools.partial(_push, sync, tensors, config, versions),
-                 "load": functools.partial(sync.load, tensors, config, ADAPTER)}  # fmt: skip
-        figures[rank] = {}
-        for kind, call in calls.items():
-            times = await seconds_of(call, repeats)
-            figures[rank] |= {f"{kind}_seconds": statistics.median(times), f"{kind}_min_seconds": min(times)}
-    return figures
+    per_round = -(-repeats // ROUNDS)
+    for round_index in range(ROUNDS):
+        for rank in list(adapters)[:: 1 if round_index % 2 == 0 else -1]:
+            tensors, config = adapters[rank]
+            if shared:
+                assert isinstance(sync, TensorSync)
+                tensors = sync.share(tensors)
+                assert tensors is not None, "the engine on this host does not read shared memory"
+            report = await sync.push(tensors, config, next(versions))
+            assert report.shared_memory == shared
+            calls = {"push": functools.partial(_push, sync, tensors, config, versions),
+                     "load": functools.partial(sync.load, tensors, config, ADAPTER)}  # fmt: skip
+            for kind, call in calls.items():
+                times[rank][kind] += await seconds_of(call, per_round)
+    return {
+        rank: {key: value for kind, seconds in by_kind.items()
+               for key, value in ((f"{kind}_seconds", statistics.median(seconds)),
+                                  (f"{kind}_min_seconds", min(seconds)))}
+        for rank, by_kind in times.items()
+    }  # fmt: skip
 
 
 async def _push(sync: AdapterSync, tensors: dict, config: dict, versions: Iterator[int]) -> None:
@@ -254,7 +264,8 @@ def summary(figures: dict[str, Any]) -> list[str]:
     lines = [
         f"Model: the Qwen2.5-0.5B shape with {NUM_LAYERS} layers (random weights); LoRA on all linear layers, "
         "float32; one embedded engine process on loopback; medians of "
-        f"{figures['repeats']} syncs. `push` = the whole sync protocol, `load` = the adapter's own trip. "
+        f"{figures['repeats']} syncs per rank, over {ROUNDS} rounds with the ranks in alternating order. "
+        "`push` = the whole sync protocol, `load` = the adapter's own trip. "
         "Copy = numpy copy of the same bytes into fresh memory. Paths: `tensor` = a handle in the request to the "
         "shared memory the trainer's parameters live in (an engine on the trainer's host, a one-rank FSDP trainer; "
         "one copy), `tensor_copied` = the same for tensors first written into a hand-off segment (the Megatron "

@@ -10,8 +10,8 @@
 - An adapter loaded from tensors and then unloaded is parked, not deleted (one at most): a load of the same name
   and config, the colocated sync's unload-then-load, copies the new tensors into its weights instead of building
   peft's modules again (24 of the 34 ms of a sync, bench/adapter_sync_bandwidth.py), as SGLang's LoRA memory pool
-  reuses its buffers. A parked adapter is never served (the engine's registry no longer names it); any other load
-  deletes it first.
+  reuses its buffers. A broadcast load receives straight into them (``parked_weights``) and copies nothing. A
+  parked adapter is never served (the engine's registry no longer names it); any other load deletes it first.
 - Every change of weights bumps a generation (the base's, or the adapter's), and prefix-cache entries carry the one
   their KV was computed under (``kv_generation``): KV of replaced weights is never reused.
 - Only the scheduler's worker thread calls into this class, so no locking is needed here.
