@@ -72,7 +72,7 @@ def run_case(adapters: int, adapter_steps: int) -> dict[str, Any]:
     }
 
 
-def engine_rate(adapters: int, seconds: float) -> dict[str, float]:
+def engine_rate(adapters: int, seconds: float, warmup_s: float = 3.0) -> dict[str, float]:
     """Tokens/s and groups/s the producer gets from one engine serving `adapters` slots at once."""
     import sys
 
@@ -102,13 +102,13 @@ def engine_rate(adapters: int, seconds: float) -> dict[str, float]:
         ]
         engine = start_engine(argv, port=port, log_path=Path(tmp) / "engine.log", timeout_s=180)
         try:
-            return asyncio.run(_produce(plan, run_dir, f"http://127.0.0.1:{port}", seconds))
+            return asyncio.run(_produce(plan, run_dir, f"http://127.0.0.1:{port}", seconds, warmup_s))
         finally:
             engine.stop()
 
 
-async def _produce(plan, run_dir: Path, url: str, seconds: float) -> dict[str, float]:
-    from miles_runner.engine.client import EngineClient
+async def _produce(plan, run_dir: Path, url: str, seconds: float, warmup_s: float) -> dict[str, float]:
+    from miles_runner.engine.workers import WorkerPool
     from miles_runner.multi_lora.buffers import AdapterBuffers
     from miles_runner.multi_lora.cache import AdaptersCache, in_process
     from miles_runner.multi_lora.producer import GroupProducer
@@ -120,13 +120,13 @@ async def _produce(plan, run_dir: Path, url: str, seconds: float) -> dict[str, f
     controller.record_weight_update([a.name for a in plan.adapters])
     cache = AdaptersCache(in_process(controller.snapshot))
     buffers = AdapterBuffers(dp_size=1, max_staleness=None)
-    async with EngineClient(url) as client:
-        rollout = MultiLoRARollout(RolloutContext.from_plan(plan, client, None), cache, seed=plan.seed)
+    async with WorkerPool.for_deployment(None, [url]) as workers:  # the loop's pool (rollout_workers), no router
+        rollout = MultiLoRARollout(RolloutContext.from_plan(plan, workers, None), cache, seed=plan.seed)
         producer = GroupProducer(
             cache, buffers, rollout.next_prompt, rollout.generate_group, concurrency=2 * plan.multi_lora.slots
         )
         producer.start()
-        await asyncio.sleep(3.0)  # warm up
+        await asyncio.sleep(warmup_s)
         groups, tokens, started = 0, rollout.tokens_generated, time.perf_counter()
         while time.perf_counter() - started < seconds:
             await asyncio.sleep(0.01)
@@ -134,6 +134,8 @@ async def _produce(plan, run_dir: Path, url: str, seconds: float) -> dict[str, f
         elapsed = time.perf_counter() - started
         await producer.stop()
     tokens = rollout.tokens_generated - tokens
+    if not groups:  # a producer that died logs why and stops; a rate of 0 would pass for a figure
+        raise RuntimeError(f"the producer made no groups in {elapsed:.1f} s; see the log above")
     return {"engine_tokens_per_s": tokens / elapsed, "engine_groups_per_s": groups / elapsed}
 
 
