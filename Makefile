@@ -84,7 +84,7 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
 # whose idle time (Slurm and Ray waits) they fill, at nice 10 so that they take what the workers leave: 9:09-10:13
-# in all on 2 cores in the latest four runs (median 9:32), 10:28 for the tree before in the same hour (10:28-10:48 the day before,
+# in all on 2 cores in four runs one afternoon (median 9:32), 9:38-10:40 in four that evening (median 10:30, the machine slower;
 # 11:19-13:58 on earlier days), against 12:37 after it; their output is printed once the main suite ends.
 # --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
 # 9:06-10:10 for the main suite; three workers, measured earlier: 11:48, 12:36 and 13:15, with 8-20% more
