@@ -178,12 +178,12 @@ async def measure_path(
                      "load": functools.partial(sync.load, tensors, config, ADAPTER)}  # fmt: skip
             for kind, call in calls.items():
                 times[rank][kind] += await seconds_of(call, per_round)
-    return {
-        rank: {key: value for kind, seconds in by_kind.items()
-               for key, value in ((f"{kind}_seconds", statistics.median(seconds)),
-                                  (f"{kind}_min_seconds", min(seconds)))}
-        for rank, by_kind in times.items()
-    }  # fmt: skip
+    figures: dict[int, dict[str, float]] = {}
+    for rank, by_kind in times.items():
+        figures[rank] = {}
+        for kind, seconds in by_kind.items():
+            figures[rank] |= {f"{kind}_seconds": statistics.median(seconds), f"{kind}_min_seconds": min(seconds)}
+    return figures
 
 
 async def _push(sync: AdapterSync, tensors: dict, config: dict, versions: Iterator[int]) -> None:
