@@ -4,6 +4,7 @@ the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folde
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 PROCESS_MARKERS = ("integration", "slow", "slurm")
+RUNNING_BEFORE = pytest.StashKey[list]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "miles_runner.procs.process" in sys.modules:
+        from miles_runner.procs.process import running_processes
+
+        item.stash[RUNNING_BEFORE] = running_processes()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # After a worker's last test its session's shared servers stop, each fixture's stop() waiting for its own
+    # shutdown: 5-9 s one after another at the end of `make test`. Signalled together here, the shutdowns overlap.
+    # Only those that ran before this test began: the test's own fixtures may still need theirs.
+    if nextitem is None and RUNNING_BEFORE in item.stash:
+        from miles_runner.procs.process import running_processes
+
+        still = set(running_processes())
+        for process in item.stash[RUNNING_BEFORE]:
+            if process in still:
+                process.terminate()
 
 
 @pytest.fixture(scope="session", autouse=True)

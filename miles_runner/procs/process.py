@@ -127,6 +127,11 @@ class ManagedProcess:
                     raise self.start_failed(f"was not healthy at {self.health_url} within {self.startup_timeout_s:g} s")
                 time.sleep(_FAST_POLL_S if time.monotonic() - started < _FAST_POLL_FOR_S else _POLL_S)
 
+    def terminate(self) -> None:
+        """SIGTERM the process group of a running process without waiting (stop() then waits for it)."""
+        if self.alive:  # not reaped yet, so its pid (the group's id) cannot have been reused
+            _signal_group(self._popen.pid, signal.SIGTERM)
+
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL what is left after `timeout_s`; returns the exit code."""
         if self._popen is None:
@@ -295,7 +300,20 @@ def _wait_group_gone(group: int, deadline: float) -> bool:
     return True
 
 
+def running_processes() -> list[ManagedProcess]:
+    """The processes started here and not stopped yet."""
+    return list(_running)
+
+
+def terminate_running() -> None:
+    """SIGTERM every running process at once, so that their shutdowns overlap: stopped one after another, each
+    waited for the last to finish its own (about half a second for a server)."""
+    for process in running_processes():
+        process.terminate()
+
+
 @atexit.register
 def _stop_all_running() -> None:
+    terminate_running()
     for process in list(_running):
         process.stop(timeout_s=5.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -146,6 +147,51 @@ def test_process_group_stops_in_reverse_start_order(tmp_path: Path) -> None:
             group.start(ManagedProcess(name, recorder(name, ready[i]), log_path=tmp_path / f"{name}.log"))
             wait_for_file(ready[i])
     assert stop_log.read_text().split() == ["router", "engine"]
+
+
+def test_terminate_running_signals_every_running_process_at_once_and_stop_then_waits_for_each(tmp_path: Path) -> None:
+    # In a driver process of its own: terminate_running() signals every process this worker runs, shared servers too.
+    slow_to_stop = textwrap.dedent("""
+        import signal, sys, time
+        def on_term(*_):
+            with open(sys.argv[1], "a") as log:
+                log.write(sys.argv[2] + "\\n")
+            time.sleep(1.0)  # exits a while after its SIGTERM
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        print("ready", "to", "stop", flush=True)  # the log's first line (the command) lacks the phrase
+        time.sleep(600)
+    """)
+    driver = python(f"""
+        import json, pathlib, sys, time
+        from miles_runner.procs.process import ManagedProcess, running_processes, terminate_running
+        terms, folder = pathlib.Path({str(tmp_path / "terms.log")!r}), pathlib.Path({str(tmp_path)!r})
+        def start(name, argv):
+            process = ManagedProcess(name, argv, log_path=folder / f"{{name}}.log").start()
+            while argv[0] == sys.executable and "ready to stop" not in (folder / f"{{name}}.log").read_text():
+                time.sleep(0.05)
+            return process
+        slow = [start(name, [sys.executable, "-c", {slow_to_stop!r}, str(terms), name]) for name in ("a", "b")]
+        stopped = start("stopped", ["sleep", "600"])
+        stopped.stop(timeout_s=5)
+        running_before = sorted(p.name for p in running_processes())
+        terminate_running()
+        while len(terms.read_text().split() if terms.exists() else []) < 2:
+            time.sleep(0.05)
+        print(json.dumps({{"running_before": running_before, "signalled": sorted(terms.read_text().split()),
+                          "alive_after_signal": [p.alive for p in slow],
+                          "codes": [p.stop(timeout_s=10) for p in slow],
+                          "running_after": [p.name for p in running_processes()]}}))
+    """)
+    finished = subprocess.run(driver, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout) == {
+        "running_before": ["a", "b"],  # a stopped process is no longer among them
+        "signalled": ["a", "b"],  # both before either was waited for
+        "alive_after_signal": [True, True],
+        "codes": [0, 0],
+        "running_after": [],
+    }
 
 
 def test_atexit_stops_processes_the_parent_left_running(tmp_path: Path) -> None:

@@ -30,6 +30,11 @@ RUNS = (
     " {name: victim, task: guess_number, reward: guess_number}]"
 )
 OVERRIDES = (RUNS, "checkpoint.interval=10", f"algorithm.num_steps={STEPS}")
+# The rise of each adapter's mean reward from the first quarter of its records to the last. Each starts near chance
+# (0.15-0.20) and gained 0.09-0.35 over 18 runs, 8 of them beside two busy loops (a full suite's load), where the
+# rewards rise less steadily: letters gained 0.092 once, from 0.191 (its eighths: 0.19 0.19 0.15 0.35 0.33 0.30
+# 0.33 0.24). An adapter that does not learn: 0 +- 0.04, the noise of two quarters' means.
+RISE = 0.06
 NEW_TENANT = {"task": "count", "num_step": 2}  # and its own save folder: a new tenant, not a resume
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -145,10 +150,10 @@ def test_the_new_tenant_trains_and_the_others_carry_on_to_their_num_step(run):
 @pytest.mark.parametrize("name", LEARNERS)
 def test_each_adapter_reward_rises_on_its_own_task(run, name):
     rewards = adapter_rewards(metrics(run.dir), name)
-    quarter = len(rewards) // 4
+    quarter, eighth = len(rewards) // 4, len(rewards) // 8
     first, last = statistics.mean(rewards[:quarter]), statistics.mean(rewards[-quarter:])
-    # each starts near chance (about 0.15) and gains 0.15-0.35 in 60 steps
-    assert last >= first + 0.03 and last >= 1.5 * first, f"{name}: {first:.3f} in the first quarter, {last:.3f} last"
+    eighths = [round(statistics.mean(rewards[i * eighth:(i + 1) * eighth]), 2) for i in range(8)]
+    assert last - first >= RISE, f"{name}: {first:.3f} in the first quarter, {last:.3f} in the last; eighths {eighths}"
 
 
 def test_only_stepped_or_new_adapters_are_pushed(run):

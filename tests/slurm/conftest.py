@@ -1,6 +1,6 @@
 """A real single-node Slurm for the tests marked `slurm`: scripts/slurm_local.sh starts slurmctld and slurmd on
-127.0.0.1 once per session (installing slurm-wlm with apt when it is missing and we are root) and stops them at
-the end. Where Slurm cannot be installed or started, those tests are skipped with the reason."""
+127.0.0.1 for the module that uses it (installing slurm-wlm with apt when it is missing and we are root) and stops
+them when that module ends. Where Slurm cannot be installed or started, those tests are skipped with the reason."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
 EXIT_CANNOT_INSTALL = 3  # slurm_local.sh: not installed, and installing needs root
 
 
-@pytest.fixture(scope="session")
+# Module scope: one file uses it, and its stop (about 2 s of waiting on the daemons) then overlaps the other worker's
+# tests instead of adding to the last worker's teardown at the end of `make test`.
+@pytest.fixture(scope="module")
 def slurm_cluster():
-    """The running local cluster (its partition is `debug`); stopped when the session ends."""
+    """The running local cluster (its partition is `debug`); stopped when the module that uses it ends."""
     started = subprocess.run(["bash", str(SLURM_LOCAL), "up"], capture_output=True, text=True, timeout=600)
     if started.returncode == EXIT_CANNOT_INSTALL or (started.returncode and not shutil.which("slurmctld")):
         pytest.skip(f"Slurm cannot be installed here: {started.stderr.strip()[-500:]}")
