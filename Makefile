@@ -86,8 +86,8 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 # whose idle time (Slurm and Ray waits) they fill, at nice 10 so that they take what the workers leave: 9:44,
 # 12:56, 10:59 and 9:18 in all on 2 cores for one tree within 100 minutes (1,012 and 1,402 busy core-seconds for
 # the same work in the first two; 9:09-10:13 one afternoon for an earlier tree, 11:19-13:58 on earlier days),
-# against 12:37 after it; their output is printed once the main suite ends. The unit tests as a third such process at nice 10 (the main
-# workers taking the rest): 13:25 against 12:56 back to back, no gain.
+# against 12:37 after it; their output is printed once the main suite ends. The unit tests as a third such process
+# at nice 10 (the main workers taking the rest): 13:25 against 12:56 back to back, no gain.
 # --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
 # 9:06-10:10 for the main suite; three workers, measured earlier: 11:48, 12:36 and 13:15, with 8-20% more
 # CPU and the longest tests 40-80% slower, too thin a gain or none for the timeouts' margin). The
