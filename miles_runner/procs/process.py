@@ -315,5 +315,5 @@ def terminate_running() -> None:
 @atexit.register
 def _stop_all_running() -> None:
     terminate_running()
-    for process in list(_running):
+    for process in running_processes():
         process.stop(timeout_s=5.0)
