@@ -84,7 +84,7 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
 # whose idle time (Slurm and Ray waits) they fill, at nice 10 so that they take what the workers leave: 8:58-12:56
-# in all on 2 cores for one tree over eight runs of one evening, median 10:18, following the machine's drifting speed
+# in all on 2 cores for one tree over nine runs of one evening, median 10:14, following the machine's drifting speed
 # (README, Development; 9:09-10:13 one afternoon for an earlier tree, 11:19-13:58 on earlier days),
 # against 12:37 after it; their output is printed once the main suite ends. The unit tests as a third such process
 # at nice 10 (the main workers taking the rest): 13:25 against 12:56 back to back, no gain.
