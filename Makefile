@@ -83,20 +83,21 @@ plan: $(STAMP)
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
-# whose idle time (Slurm and Ray waits) they fill, at nice 10 so that they take what the workers leave: 8:58-12:56
-# in all on 2 cores for one tree over nine runs of one evening, median 10:14, following the machine's drifting speed
-# (README, Development; 9:09-10:13 one afternoon for an earlier tree, 11:19-13:58 on earlier days),
-# against 12:37 after it; their output is printed once the main suite ends. The unit tests as a third such process
-# at nice 10 (the main workers taking the rest): 13:25 against 12:56 back to back, no gain.
-# --durations: every run prints its 15 slowest tests (where the suite's time goes). One worker per core (on 2 cores:
-# 9:06-10:10 for the main suite; three workers, measured earlier: 11:48, 12:36 and 13:15, with 8-20% more
-# CPU and the longest tests 40-80% slower, too thin a gain or none for the timeouts' margin). The
+# at nice 10 so that they take what the workers leave; their output is printed once the main suite ends.
+# Three workers on 2 cores: a test that waits (a server's start or stop, a timeout it proves, the Slurm scheduler)
+# leaves its core to the other two. Back to back, one tree, one evening: 7:49, 8:03 and 8:36 with three against
+# 8:24 and 9:55 with two (nine earlier runs of two: 8:58-12:56, median 10:14), following the machine's drifting speed
+# (README, Development). With two, a quarter of the cores sat idle in the last 3 minutes, where the short tests that
+# wait run; with three, 3.5% over the whole run, and the slowest tests took as long as with two. (Two days earlier,
+# when the suite took ~1,300 busy core-seconds against ~900 now, three workers were slower: 11:48-13:15 against
+# 9:06-10:10 for the main suite, the longest tests 40-80% slower.)
+# --durations: every run prints its 15 slowest tests (where the suite's time goes). The
 # components, drivers and worker ranks the tests start fork from a warm start server per worker (tests/conftest.py,
 # tests/drivers.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or server starts
 # once and the local Slurm cluster (tests/slurm, one file) has one owner; the Slurm file and then files with slow
 # tests go first (tests/conftest.py; --no-loadscope-reorder keeps that order).
 # TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: layers sglang-spec bridge-env tiny-models bytecode
 	bridge_log=$$(mktemp); nice -n 10 $(MAKE) --no-print-directory bridge-test > $$bridge_log 2>&1 & bridge=$$!; \
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
