@@ -85,13 +85,13 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 # The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
 # at nice 10 so that they take what the workers leave; their output is printed once the main suite ends.
 # Three workers on 2 cores: a test that waits (a server's start or stop, a timeout it proves, the Slurm scheduler)
-# leaves its core to the other two. Back to back, one tree, one evening: 7:49, 8:03 and 8:36 with three against
-# 8:24 and 9:55 with two (nine earlier runs of two: 8:58-12:56, median 10:14), following the machine's drifting speed
-# (README, Development). With two, a quarter of the cores sat idle in the last 3 minutes, where the short tests that
-# wait run; with three, 3.5% over the whole run, and the slowest tests took as long as with two. (Two days earlier,
-# when the suite took ~1,300 busy core-seconds against ~900 now, three workers were slower: 11:48-13:15 against
-# 9:06-10:10 for the main suite, the longest tests 40-80% slower.)
-# --durations: every run prints its 15 slowest tests (where the suite's time goes). The
+# leaves its core to the other two. Interleaved, one tree, one evening: 7:49-8:36 over five runs with three (median
+# 8:18) against 8:24 and 9:55 with two (nine earlier runs of two: 8:58-12:56, median 10:14), and 7:39 in one run with
+# four, following the machine's drifting speed (README, Development). With two, a quarter of the cores sat idle in the
+# last 3 minutes, where the short tests that wait run; with three, 3.5-4% over the whole run (four: 1.7%, and 2 GiB
+# more memory), and the slowest tests took as long as with two. (Two days earlier, when the suite took ~1,300 busy
+# core-seconds against ~900 now, three workers were slower: 11:48-13:15 against 9:06-10:10 for the main suite, the
+# longest tests 40-80% slower.) --durations: every run prints its 15 slowest tests (where the suite's time goes). The
 # components, drivers and worker ranks the tests start fork from a warm start server per worker (tests/conftest.py,
 # tests/drivers.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or server starts
 # once and the local Slurm cluster (tests/slurm, one file) has one owner; the Slurm file and then files with slow
