@@ -89,13 +89,15 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 # 8:18) against 8:24 and 9:55 with two (nine earlier runs of two: 8:58-12:56, median 10:14), and 7:39 in one run with
 # four, following the machine's drifting speed (README, Development). With two, a quarter of the cores sat idle in the
 # last 3 minutes, where the short tests that wait run; with three, 3.5-4% over the whole run (four: 1.7%, and 2 GiB
-# more memory), and the slowest tests took as long as with two. (Two days earlier, when the suite took ~1,300 busy
-# core-seconds against ~900 now, three workers were slower: 11:48-13:15 against 9:06-10:10 for the main suite, the
-# longest tests 40-80% slower.) --durations: every run prints its 15 slowest tests (where the suite's time goes). The
-# components, drivers and worker ranks the tests start fork from a warm start server per worker (tests/conftest.py,
-# tests/drivers.py). Each test file stays on one worker (--dist loadfile), so a module's shared run or server starts
-# once and the local Slurm cluster (tests/slurm, one file) has one owner; the Slurm file and then files with slow
-# tests go first (tests/conftest.py; --no-loadscope-reorder keeps that order).
+# more memory). Each test gets less of a core: the default recipe's learning proof, the slowest, took 90-101 s over
+# the five runs with three against 60 and 80 s in the two with two (126 s with four), under its 900 s timeout.
+# (Two days earlier, when the suite took ~1,300 busy core-seconds against ~900 now, three workers were slower:
+# 11:48-13:15 against 9:06-10:10 for the main suite, the longest tests 40-80% slower.) --durations: every run prints
+# its 15 slowest tests (where the suite's time goes). The components, drivers and worker ranks the tests start fork
+# from a warm start server per worker (tests/conftest.py, tests/drivers.py). Each test file stays on one worker
+# (--dist loadfile), so a module's shared run or server starts once and the local Slurm cluster (tests/slurm, one
+# file) has one owner; the Slurm file and then files with slow tests go first (tests/conftest.py;
+# --no-loadscope-reorder keeps that order).
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 test: layers sglang-spec bridge-env tiny-models bytecode
