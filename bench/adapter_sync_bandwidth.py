@@ -9,15 +9,15 @@ Adapters: LoRA r = 8, 16, 64 on every linear layer (q, k, v, o, gate, up, down),
 trains them, float32 as the CPU trainer exports them, random A and B.
 
 Paths, each the real sync class of the runner against one real embedded engine process:
-- tensor hand-off (lora/tensor_sync.py TensorSync, colocated plan), as the runner does it for an engine on its
+- tensor hand-off (weight_sync/tensor_sync.py TensorSync, colocated plan), as the runner does it for an engine on its
   host with a one-rank FSDP trainer: the trainer's adapter parameters live in a shared-memory segment
-  (TensorSync.share) and the request carries a handle to it (engine/tensor_shm.py, the CPU analogue of SGLang's
+  (TensorSync.share) and the request carries a handle to it (sglang_client/tensor_shm.py, the CPU analogue of SGLang's
   CUDA IPC handles): one copy, the engine's, from the trainer's memory into its adapter weights;
 - tensor copied (the same sync, for tensors that are copies: the Megatron trainer's and multi-rank FSDP exports):
   each push first writes them into a hand-off segment the sync rewrites, then the engine copies them out;
 - tensor inline (TensorSync with shared_memory=False, what an engine on another host gets): the tensors travel in
   the HTTP request as base64 safetensors;
-- broadcast (lora/broadcast.py BroadcastSync, disaggregated CPU plan): gloo broadcast into the running engine.
+- broadcast (weight_sync/broadcast.py BroadcastSync, disaggregated CPU plan): gloo broadcast into the running engine.
 
 Per rank and path: `push` is the whole sync protocol a train step pays (pause, flush, unload, load, version,
 verify, continue); `load` is the adapter's own trip (serialize or broadcast, HTTP, install in the engine).
@@ -54,12 +54,12 @@ import torch
 
 from bench.report import write_result
 from miles_runner.core.paths import model_cache_dir
-from miles_runner.engine.client import EngineClient
-from miles_runner.lora.adapter_sync import AdapterSync, tensor_bytes
-from miles_runner.lora.broadcast import BroadcastSync
-from miles_runner.lora.tensor_sync import TensorSync
 from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.weight_sync.adapter_sync import AdapterSync, tensor_bytes
+from miles_runner.weight_sync.broadcast import BroadcastSync
+from miles_runner.weight_sync.tensor_sync import TensorSync
 from miles_testkit.launch import engine_url, start_engine
 
 RANKS = (8, 16, 64)

@@ -2,8 +2,8 @@
 
 - Engine rate: the producer alone (`GroupProducer` + the multi-LoRA rollout over /generate, each adapter in
   its own engine slot) with its groups drained at once, as if the trainer were infinitely fast: generated
-  tokens/s and groups/s. This is what multi-adapter batching on the engine costs.
-- Training loop: the real multi-LoRA driver (controller service, producer, multi-adapter trainer, broadcast
+  tokens/s and groups/s. This is what multi-LoRA batching on the engine costs.
+- Training loop: the real multi-LoRA driver (controller service, producer, multi-LoRA trainer, broadcast
   sync), the same total number of adapter steps in each case: trained groups/s, and the producer's token
   rate, which the trainer's pace bounds there.
 - The scheduler's own cost per batch: `collect_batch` on buffers that already hold every group (no waiting).
@@ -108,19 +108,19 @@ def engine_rate(adapters: int, seconds: float, warmup_s: float = 3.0) -> dict[st
 
 
 async def _produce(plan, run_dir: Path, url: str, seconds: float, warmup_s: float) -> dict[str, float]:
-    from miles_runner.engine.workers import WorkerPool
     from miles_runner.multi_lora.buffers import AdapterBuffers
     from miles_runner.multi_lora.cache import AdaptersCache, in_process
     from miles_runner.multi_lora.producer import GroupProducer
     from miles_runner.multi_lora.settings import settings_from_plan
     from miles_runner.rollout.context import RolloutContext
     from miles_runner.rollout.multi_lora import MultiLoRARollout
+    from miles_runner.sglang_client.engine_pool import EnginePool
 
     controller = settings_from_plan(plan, run_dir).build_controller()
     controller.record_weight_update([a.name for a in plan.adapters])
     cache = AdaptersCache(in_process(controller.snapshot))
     buffers = AdapterBuffers(dp_size=1, max_staleness=None)
-    async with WorkerPool.for_deployment(None, [url]) as workers:  # the loop's pool (rollout_workers), no router
+    async with EnginePool.for_deployment(None, [url]) as workers:  # the loop's pool (rollout_engines), no router
         rollout = MultiLoRARollout(RolloutContext.from_plan(plan, workers, None), cache, seed=plan.seed)
         producer = GroupProducer(
             cache, buffers, rollout.next_prompt, rollout.generate_group, concurrency=2 * plan.multi_lora.slots
@@ -205,7 +205,7 @@ def main() -> None:
         "`python -m bench.multi_lora_throughput` (tiny-moe format-pretrained, one embedded CPU engine, task count, "
         f"{RBS} groups x {N} samples per adapter step, at most {MAX_RESPONSE_LEN} new tokens). Engine: the producer "
         f"alone for {args.engine_seconds:g} s, groups drained at once (each adapter its own slot, all in one "
-        "engine batch). Loop: the real multi-LoRA driver (controller service, producer, multi-adapter trainer, "
+        "engine batch). Loop: the real multi-LoRA driver (controller service, producer, multi-LoRA trainer, "
         f"gloo broadcast sync), {args.adapter_steps} adapter steps per case; trained groups/s over collect + train "
         "+ sync time; its token rate is bounded by the trainer's pace. Scheduler: `collect_batch` with every group "
         "already buffered; collect s: its wall time in the loop, waiting included.",

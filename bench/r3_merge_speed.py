@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from bench.report import write_result
-from miles_runner.engine.routed_experts import encode_routed_experts
 from miles_runner.session.r3 import assemble_incremental_r3
 from miles_runner.session.records import SessionRecord
+from miles_runner.sglang_client.routed_experts import encode_routed_experts
 
 TURNS = 50
 NUM_LAYERS = 48

@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 
 from bench.report import write_result
-from miles_runner.engine.client import http_client
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
+from miles_runner.sglang_client.client import http_client
 from miles_testkit.launch import start_engine
 
 TURNS = 10

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles_runner.engine.router import router_argv, wait_for_workers
 from miles_runner.procs.launch import router_executable
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.procs.process import ManagedProcess
+from miles_runner.sglang_client.router import router_argv, wait_for_workers
 
 HEALTH_PATHS = ("/health", "/health_generate")
 _ANY_ADDRESS = ("0.0.0.0", "::", "")

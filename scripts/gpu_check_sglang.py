@@ -62,7 +62,7 @@ def sglang_tensor_wires() -> tuple[Any, Any]:
 
 async def run_checks(url: str, model_dir: Path, adapter_path: Path, only: list[str]) -> dict[str, Any]:
     from miles_runner.core.sglang_protocol import STOCK
-    from miles_runner.engine.client import EngineClient
+    from miles_runner.sglang_client.client import EngineClient
     from miles_testkit.contract import CONTRACT_ADAPTER, CONTRACT_CHECKS, ContractTarget, run_contract
 
     lora_wire, weights_wire = sglang_tensor_wires()

@@ -99,7 +99,7 @@ def execute(plan: Plan, run_dir: Path, *, resume: bool = False, debug: bool = Fa
 def _run(plan: Plan, run_dir: Path, *, resume: bool, debug: bool) -> tuple[str, int]:
     # Imported here, not at the top: the loops pull in torch, ray and transformers, which planning never needs.
     from miles_runner.loops.run import run_plan
-    from miles_runner.lora.verify import SyncVerificationError
+    from miles_runner.weight_sync.verify import SyncVerificationError
 
     with driver_log(run_dir) as log:
         try:

@@ -22,9 +22,9 @@ from omegaconf import MISSING, Container, DictConfig, OmegaConf
 
 from miles_runner.config.hydra_instantiation import instantiation_problems
 from miles_runner.config.hydra_settings import composed_setting_problems, user_run_dir
-from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass
+from miles_runner.config.loader import SchemaError, did_you_mean, load_dataclass, renamed_hint
 from miles_runner.config.provenance import COMMAND_LINE, Provenance, build_provenance, flatten
-from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
+from miles_runner.config.schema import CHOICES, RENAMED_KEYS, MilesConfig, defaults_tree
 from miles_runner.config.sources import (
     ConfigSource,
     config_sources,
@@ -133,7 +133,7 @@ def from_composed(
     sources = config_sources(searchpath)
     provenance = build_provenance(sources, choices, overrides, config_groups(sources))
     try:
-        config = load_dataclass(MilesConfig, tree, CHOICES)
+        config = load_dataclass(MilesConfig, tree, CHOICES, RENAMED_KEYS)
     except SchemaError as exc:
         raise PlanError([schema_problem(issue, provenance) for issue in exc.issues]) from None
     return ComposedConfig(config, provenance, list(overrides), choices.get("recipe"), tuple(searchpath), run_dir)
@@ -144,7 +144,9 @@ def schema_problem(issue: Any, provenance: Provenance) -> Problem:
     origin = provenance.origin(base_path)
     rule = "unknown-key" if issue.message == "unknown key" else "invalid-value"
     fix = ""
-    if issue.hint.startswith("did you mean '"):
+    if issue.path in RENAMED_KEYS:  # an old spelling: the new key, wherever it lives
+        fix = f"rename it to {RENAMED_KEYS[issue.path]}"
+    elif issue.hint.startswith("did you mean '"):
         suggestion = issue.hint.split("'")[1]
         if rule == "unknown-key":  # a misspelt key: the near key under the same parent
             parent = issue.path.rpartition(".")[0]
@@ -173,6 +175,10 @@ def composition_problem(message: str, sources: Sequence[ConfigSource] = ()) -> P
                 f"++{key}=...",
             )
         known = list(flatten(defaults_tree())) + sorted(config_groups(sources))
+        if key in RENAMED_KEYS:  # Hydra's message quotes the override: "To append to your config use +KEY=VALUE"
+            value = re.search(rf"\+{re.escape(key)}=(\S*)", message)
+            return Problem("unknown-key", [(key, COMMAND_LINE)], f"no such key; {renamed_hint(RENAMED_KEYS[key])}",
+                           f"{RENAMED_KEYS[key]}={value.group(1) if value else '...'}")
         hint = did_you_mean(key, known)
         return Problem(
             "unknown-key",

@@ -34,13 +34,41 @@ class SchemaError(ValueError):
         super().__init__("\n".join(str(i) for i in issues))
 
 
-def load_dataclass(cls: type[T], data: Any, choices: Mapping[str, tuple[str, ...]] | None = None) -> T:
-    """Build `cls` from nested dicts/lists; raise SchemaError listing every problem found."""
+def load_dataclass(
+    cls: type[T],
+    data: Any,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+    renamed: Mapping[str, str] | None = None,
+) -> T:
+    """Build `cls` from nested dicts/lists; raise SchemaError listing every problem found. A key of `renamed`
+    (old dotted path -> new) is reported at its old path with the new one as the hint."""
     issues: list[SchemaIssue] = []
     value = _convert(cls, data, "", issues, choices or {})
     if issues:
-        raise SchemaError(issues)
+        raise SchemaError([_renamed_issue(i, data, renamed) if renamed else i for i in issues])
     return value
+
+
+def renamed_hint(new: str) -> str:
+    return f"renamed: did you mean '{new}'?"
+
+
+def _renamed_issue(issue: SchemaIssue, data: Any, renamed: Mapping[str, str]) -> SchemaIssue:
+    """An unknown key that is an old spelling (or a section holding one, as `lora: {mode: ...}`) names the new key."""
+    if issue.message != "unknown key":
+        return issue
+    for old, new in renamed.items():
+        if old == issue.path or (old.startswith(issue.path + ".") and _holds(data, old)):
+            return SchemaIssue(old, issue.message, renamed_hint(new))
+    return issue
+
+
+def _holds(data: Any, path: str) -> bool:
+    for part in path.split("."):
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def did_you_mean(name: str, candidates: typing.Iterable[str]) -> str:

@@ -18,7 +18,7 @@ from miles_runner.core.tito_families import TITO_FAMILIES
 # in `session.version=v3` is reported like a type error, with the valid choices.
 CHOICES: dict[str, tuple[str, ...]] = {
     "topology.kind": ("colocated", "disaggregated"),
-    "lora.mode": ("none", "bridge", "raw", "peft"),
+    "trainer.lora_mode": ("none", "bridge", "raw", "peft"),
     "adapters.kind": ("none", "single", "multi"),
     "adapters.lora_type": ("lora", "canonical_lora"),
     "trainer.backend": ("fsdp", "megatron"),
@@ -38,9 +38,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weight_sync.transfer_mode": ("broadcast", "p2p", "disk-delta"),
     # miles' estimators; ppo is refused by a plan rule (it needs a critic, which LoRA-only trainers lack).
     "algorithm.advantage_estimator": ("grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "rollout.driver": ("sync", "async"),
+    "rollout.schedule": ("sync", "async"),
     "logger.wandb_mode": ("offline", "online", "disabled"),
     "logger.progress": ("auto", "rich", "plain"),
+}
+
+
+# Keys that were renamed, old spelling -> new: refused with a did-you-mean naming the new key (one name per concept:
+# a config key, the plan field it sets and the code that reads it share it).
+RENAMED_KEYS: dict[str, str] = {
+    "cluster.cpu_slots_per_node": "cluster.cpu_devices_per_node",  # a "slot" is an adapter slot; hardware: device
+    "rollout.driver": "rollout.schedule",  # "driver" is the miles-run process
+    "lora.mode": "trainer.lora_mode",  # the plan's trainer.lora_mode; the lora_mode group sets it
 }
 
 
@@ -55,14 +64,14 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """What the job is allowed to use. On a cpu-only cluster a "GPU" slot is one CPU worker process."""
+    """What the job is allowed to use. On a cpu-only cluster a device (a "GPU") is one CPU worker process."""
 
     nodes: int = 1
     gpus_per_node: int = 0
     gpu_type: str = "none"
     gpu_memory_gb: float = 0.0
     cpu_only: bool = True
-    cpu_slots_per_node: int = 2
+    cpu_devices_per_node: int = 2
     memory_gb_per_node: float = 24.0
 
 
@@ -70,8 +79,8 @@ class ClusterConfig:
 class TopologyConfig:
     kind: str = "colocated"
     actor_num_nodes: int = 0  # 0: every node of the cluster
-    actor_num_gpus_per_node: int = 0  # 0: every slot of the node
-    rollout_num_gpus: int = 0  # disaggregated; 0: every slot the trainer does not use
+    actor_num_gpus_per_node: int = 0  # 0: every device of the node
+    rollout_num_gpus: int = 0  # disaggregated; 0: every device the trainer does not use
     offload_train: bool | None = None  # None: derived (on when colocated)
     offload_rollout: bool | None = None
 
@@ -110,6 +119,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     backend: str = "fsdp"
+    lora_mode: str = "peft"  # set by the lora_mode group: how the backend applies LoRA
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     offload_target: str = "cpu"
     calculate_per_token_loss: bool = False
@@ -118,11 +128,6 @@ class TrainerConfig:
     stream_optimizer_state_to_disk: bool = False
     rematerialize_param_from_master_weight: bool = False
     keep_old_actor: bool = False
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    mode: str = "peft"
 
 
 @dataclass(frozen=True)
@@ -226,7 +231,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    driver: str = "sync"  # sync: train.py; async: train_async.py (one step stale)
+    schedule: str = "sync"  # sync: train.py; async: train_async.py (one step stale)
     fully_async: bool = False
     max_weight_staleness: int = 0
     partial_rollout: bool = False
@@ -244,7 +249,7 @@ class WeightSyncConfig:
     check_weight_equal: bool = False
     # Right after each push every engine scores a fixed probe under the pushed adapter, and its mean
     # |trainer - engine| logprob must stay within max_logprob_gap before the trainer trains further
-    # (lora/probe.py). None: on, for every driver and multi-LoRA.
+    # (weight_sync/probe.py). None: on, for every driver and multi-LoRA.
     verify: bool | None = None
     max_logprob_gap: float | None = None  # None: by engine kind (plan.model.DEFAULT_MAX_LOGPROB_GAP)
 
@@ -319,7 +324,6 @@ class MilesConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)

@@ -2,7 +2,7 @@
 only the sglang-miles fork serves, each listed here once.
 
 `SGLANG_VERSION` is the pin: pyproject's `gpu` extra installs exactly this release, every run records it in
-provenance.json, and the wire-format tests (tests/engine/test_wire_format.py) check every request body the
+provenance.json, and the wire-format tests (tests/sglang_client/test_wire_format.py) check every request body the
 project sends against this release's own request definitions (read from its wheel).
 
 A plan says which build its engines are (`engine.build`): `stock` (the pinned release from PyPI) or

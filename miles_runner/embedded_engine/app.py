@@ -46,8 +46,8 @@ from miles_runner.embedded_engine.protocol import (
     UpdateWeightVersionReqInput,
 )
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest
-from miles_runner.engine.auth import admin_optional, install_auth
-from miles_runner.engine.fastapi_app import fastapi_app
+from miles_runner.sglang_client.auth import admin_optional, install_auth
+from miles_runner.sglang_client.fastapi_app import fastapi_app
 
 logger = logging.getLogger(__name__)
 BodyModel = TypeVar("BodyModel", bound=pydantic.BaseModel)

@@ -45,9 +45,13 @@ from miles_runner.embedded_engine.sampling import SamplingConfig
 from miles_runner.embedded_engine.scheduler import Scheduler
 from miles_runner.embedded_engine.validation import GREEDY_BELOW, Limits, check_token_ids, verify_sampling
 from miles_runner.embedded_engine.weight_groups import WeightUpdateGroups
-from miles_runner.engine.tensor_shm import SegmentReader
-from miles_runner.engine.tensor_wire import borrowed_named_tensors, check_tensor_checksums, deserialize_named_tensors
-from miles_runner.engine.weight_update_group import parse_dtype
+from miles_runner.sglang_client.tensor_shm import SegmentReader
+from miles_runner.sglang_client.tensor_wire import (
+    borrowed_named_tensors,
+    check_tensor_checksums,
+    deserialize_named_tensors,
+)
+from miles_runner.sglang_client.weight_update_group import parse_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_runner.embedded_engine.args import ServerArgs
-from miles_runner.engine.tensor_wire import serialize_lora_tensors
+from miles_runner.sglang_client.tensor_wire import serialize_lora_tensors
 
 __all__ = ["LoRARef", "LoRARegistry", "check_adapter_name", "read_adapter_config", "serialize_lora_tensors"]
 

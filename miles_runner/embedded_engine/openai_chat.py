@@ -18,7 +18,7 @@ from miles_runner.embedded_engine.engine import EmbeddedEngine
 from miles_runner.embedded_engine.native_response import generate_item
 from miles_runner.embedded_engine.protocol import ChatCompletionRequest, SamplingParams
 from miles_runner.embedded_engine.request import GenerationResult, GenRequest, LogprobRequest
-from miles_runner.engine.chat_as_generate import chat_completion, model_adapter, openai_logprobs
+from miles_runner.sglang_client.chat_as_generate import chat_completion, model_adapter, openai_logprobs
 
 _STREAM_INCOMPATIBLE = {
     "return_meta_info": "return_meta_info is not supported with streaming.",

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
-from miles_runner.engine.fastapi_app import drop_validation_422
+from miles_runner.sglang_client.fastapi_app import drop_validation_422
 
 
 class _Open(BaseModel):

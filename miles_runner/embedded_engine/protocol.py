@@ -1,5 +1,5 @@
 """Request bodies with the field names, required fields and JSON shapes of the pinned SGLang
-(core.sglang_protocol.SGLANG_VERSION: io_struct.py, openai/protocol.py); tests/engine/test_wire_format.py checks
+(core.sglang_protocol.SGLANG_VERSION: io_struct.py, openai/protocol.py); tests/sglang_client/test_wire_format.py checks
 them against SGLang's own definitions.
 
 Unknown keys are treated as SGLang treats them: ignored at the top level of every body (SGLang parses native
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from miles_runner.engine.client import DEFAULT_GROUP_NAME
+from miles_runner.sglang_client.client import DEFAULT_GROUP_NAME
 
 # SGLang's /generate sampling_params keys this engine does not implement (the wire-format tests keep this list
 # equal to SGLang's keys minus SamplingParams' fields below).

@@ -14,7 +14,7 @@ from miles_runner.embedded_engine.detokenizer import Detokenizer, find_stop_stri
 from miles_runner.embedded_engine.model_runner import KVCache, RowInput, RowOutput
 from miles_runner.embedded_engine.prefix_cache import CachedPrefix
 from miles_runner.embedded_engine.sampling import Choice, SamplingConfig, choose_token
-from miles_runner.engine.routed_experts import encode_routed_experts
+from miles_runner.sglang_client.routed_experts import encode_routed_experts
 
 # [logprob | None, token_id, text | None], SGLang's logprob triple.
 LogprobTriple = list

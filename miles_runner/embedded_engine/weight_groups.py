@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from miles_runner.embedded_engine.scheduler import settle_future
-from miles_runner.engine.weight_update_group import (
+from miles_runner.sglang_client.weight_update_group import (
     broadcast_tensors,
     destroy_weight_update_group,
     init_weight_update_group,

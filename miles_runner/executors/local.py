@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any
 
 from miles_runner.core.errors import ComponentFailure
-from miles_runner.engine.router import ensure_worker, wait_for_workers
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
 from miles_runner.plan.model import EnginePlan, Launch, Plan, engine_rank_name, plan_on_nodes, server_launches
@@ -35,6 +34,7 @@ from miles_runner.plan.secrets import run_api_key
 from miles_runner.procs.launch import check_ports, launch_process
 from miles_runner.procs.ports import LOOPBACK, port_is_free
 from miles_runner.procs.process import ManagedProcess, ProcessGroup
+from miles_runner.sglang_client.router import ensure_worker, wait_for_workers
 
 logger = logging.getLogger(__name__)
 

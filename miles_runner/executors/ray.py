@@ -6,7 +6,7 @@ job script starts each node with it, and the private Ray started here (no `execu
 shut down after the run) offers `miles_node_0`. Start-up:
 
 1. The plan's nodes are checked against the cluster's resources: a node nobody offers fails at once, naming it.
-2. Placement groups reserve the plan's slots, per role and per node (`placement_bundles`): colocated trainer
+2. Placement groups reserve the plan's devices, per role and per node (`placement_bundles`): colocated trainer
    and engines share one group; disaggregated, the trainer and the engines get one each. Readiness is awaited
    within executor.health_timeout_s, else the run fails naming what the cluster could not give.
 3. One node agent (`NodeAgentBody`, num_cpus=0, in a bundle of its node) per plan node reports its node's
@@ -57,7 +57,7 @@ SHUTDOWN_FLUSH_ENV, SHUTDOWN_FLUSH_MS = "RAY_task_events_shutdown_flush_timeout_
 
 
 class ClusterNodesError(ComponentFailure):
-    """The Ray cluster does not offer the nodes (or the slots on them) that the plan places components on."""
+    """The Ray cluster does not offer the nodes (or the devices on them) that the plan places components on."""
 
 
 class NodeLostError(ComponentFailure):
@@ -206,27 +206,27 @@ class AgentRanks:
         return RemoteRank(agent, name, self.run_dir / "logs" / f"{name}.log")
 
 
-def slot_resource(plan: Plan) -> str:
+def device_resource(plan: Plan) -> str:
     return "CPU" if plan.cluster.cpu_only else "GPU"
 
 
 def placement_bundles(plan: Plan) -> dict[str, list[dict[str, float]]]:
-    """The placement groups to reserve, by role: one bundle per slot of a role, pinned to its plan node.
-    Colocated, the trainer and the engines share their slots (one group); disaggregated, each role has its own."""
-    slot = slot_resource(plan)
+    """The placement groups to reserve, by role: one bundle per device of a role, pinned to its plan node.
+    Colocated, the trainer and the engines share their devices (one group); disaggregated, each role has its own."""
+    resource = device_resource(plan)
 
-    def bundles(slots: list[tuple[int, int]]) -> list[dict[str, float]]:
-        return [{slot: 1, node_resource(node): 1} for node, _ in sorted(set(slots))]
+    def bundles(devices: list[tuple[int, int]]) -> list[dict[str, float]]:
+        return [{resource: 1, node_resource(node): 1} for node, _ in sorted(set(devices))]
 
     trainer = [(node, s) for node, s in plan.trainer.placements]
-    engines = [slot for e in plan.engines for slot in e.placements()]  # every node rank's slots
+    engines = [device for e in plan.engines for device in e.placements()]  # every node rank's devices
     if plan.topology == "colocated":
         return {"trainer+engines": bundles(trainer + engines)}
     return {"trainer": bundles(trainer), "engines": bundles(engines)}
 
 
 def services_bundle(node: int) -> dict[str, float]:
-    """Where a node's agent goes when no role reserves slots on that node."""
+    """Where a node's agent goes when no role reserves devices on that node."""
     return {node_resource(node): 1}
 
 
@@ -262,7 +262,7 @@ class RayExecutor(Executor):
         if ray.is_initialized():
             return
         address = self.plan.executor.ray_address or None
-        own = {"num_cpus": max(self.plan.cluster.slots_per_node, 1), "resources": {node_resource(0): 1000}}
+        own = {"num_cpus": max(self.plan.cluster.devices_per_node, 1), "resources": {node_resource(0): 1000}}
         handler = signal.getsignal(signal.SIGTERM)
         os.environ.setdefault(SHUTDOWN_FLUSH_ENV, SHUTDOWN_FLUSH_MS)  # read by the driver's core worker at ray.init
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **({} if address else own))
@@ -286,7 +286,7 @@ class RayExecutor(Executor):
             )  # fmt: skip
 
     def _place_agents(self) -> list[AgentHandle]:
-        """Reserve the plan's slots, then put one agent on each plan node (into a bundle of that node)."""
+        """Reserve the plan's devices, then put one agent on each plan node (into a bundle of that node)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -314,7 +314,7 @@ class RayExecutor(Executor):
         return agents
 
     def _service_bundles(self) -> dict[str, list[dict[str, float]]]:
-        """A node where no role reserves slots (one that hosts only servers, or nothing) still gets its agent."""
+        """A node where no role reserves devices (one that hosts only servers, or nothing) still gets its agent."""
         reserved = {node for bundles in placement_bundles(self.plan).values() for b in bundles
                     for node in range(self.plan.cluster.nodes) if node_resource(node) in b}  # fmt: skip
         bare = sorted(set(range(self.plan.cluster.nodes)) - reserved)
@@ -332,8 +332,8 @@ class RayExecutor(Executor):
                     need[key] = need.get(key, 0) + amount
             raise ClusterNodesError(
                 "ray cluster", f"the {role} placement group ({need}) was not ready within {self.timeout_s:g} s; the "
-                f"cluster has {ray.available_resources()} available. Give the nodes the plan's slots "
-                "(cluster.cpu_slots_per_node / cluster.gpus_per_node) or free them.",
+                f"cluster has {ray.available_resources()} available. Give the nodes the plan's devices "
+                "(cluster.cpu_devices_per_node / cluster.gpus_per_node) or free them.",
             ) from None  # fmt: skip
 
     def _check_driver_on_node_0(self, agent: AgentHandle) -> None:
@@ -404,7 +404,7 @@ class RayExecutor(Executor):
         return dead
 
     def stop(self) -> None:
-        """Stop every process of every node (newest node's first), kill the agents, release the slots. Bounded:
+        """Stop every process of every node (newest node's first), kill the agents, release the devices. Bounded:
         when the cluster itself is gone (Slurm's SIGTERM reaches the Ray daemons too) Ray's calls can block, and
         the agents' children die with them anyway (PR_SET_PDEATHSIG); the run must not outlast Slurm's KillWait."""
         import ray

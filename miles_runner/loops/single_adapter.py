@@ -1,17 +1,16 @@
 """The training loop (spec §7): rollout -> reward -> advantages -> train -> sync adapter -> log -> checkpoint.
 
-`sync` driver (train.py): each step generates with the weights of the last push.
-`async` driver (train_async.py, disaggregated only): step n+1 is generated while step n trains, so its samples
-are at least one weight version old.
-The adapter is pushed after every `update_weights_interval` steps (train_async.py's `(rollout_id + 1) % interval`)
-and after the last step, so the engines end on the adapter the run saves. The weight version is the number of
-steps trained, so a batch lags the trainer by up to interval - 1 versions, plus one under the async driver
-(plan.sync.staleness_bound): every step records the version that generated its rollout and the one it trained at,
-and a batch beyond the bound stops the run. Every push is verified (lora/verify.py): each engine reports the new
-version, and with plan.sync.verify every engine's logprobs of the push probe (lora/probe.py) must match the
-trainer's, which still holds exactly the pushed adapter, before it trains further.
-An engine that dies mid-run is restarted per `executor.engine_restarts` (engine_restarts.py): the interrupted
-rollout or push runs again and each step is trained once; with no restarts left the run ends naming the engine.
+`sync` schedule (train.py): each step generates with the weights of the last push. `async` schedule (train_async.py,
+disaggregated only): step n+1 is generated while step n trains, so its samples are at least one weight version old. The
+adapter is pushed after every `update_weights_interval` steps (train_async.py's `(rollout_id + 1) % interval`) and after
+the last step, so the engines end on the adapter the run saves. The weight version is the number of steps trained, so a
+batch lags the trainer by up to interval - 1 versions, plus one under the async schedule (plan.staleness_bound): every
+step records the version that generated its rollout and the one it trained at, and a batch beyond the bound stops the
+run. Every push is verified (weight_sync/verify.py): each engine reports the new version, and with
+plan.weight_sync.verify every engine's logprobs of the push probe (weight_sync/probe.py) must match the trainer's, which
+still holds exactly the pushed adapter, before it trains further. An engine that dies mid-run is restarted per
+`executor.engine_restarts` (engine_restarts.py): the interrupted rollout or push runs again and each step is trained
+once; with no restarts left the run ends naming the engine.
 """
 
 from __future__ import annotations
@@ -26,22 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
-from miles_runner.engine.client import EngineClient
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
 from miles_runner.loops.engine_restarts import EngineRestarts
-from miles_runner.lora.probe import PushProbe, probe_token_ids
-from miles_runner.lora.sync import make_sync, share_trainer_adapter
-from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.rollout.agentic import SessionClients, rollout_agentic
-from miles_runner.rollout.context import RolloutContext, rollout_workers
+from miles_runner.rollout.context import RolloutContext, rollout_engines
 from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
+from miles_runner.sglang_client.client import EngineClient
 from miles_runner.tracking.tracker import Tracker
 from miles_runner.trainer.ranks import make_trainer
+from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
+from miles_runner.weight_sync.sync import make_sync, share_trainer_adapter
+from miles_runner.weight_sync.verify import SyncVerificationError
 
 STARTUP_FILE = "startup.json"
 
@@ -61,7 +60,7 @@ def check_staleness(samples: list[Sample], version: int, max_staleness: int) -> 
     if version - oldest > max_staleness:
         raise StaleSamplesError(
             f"samples from weight version {oldest} are {version - oldest} versions old at version {version}; the "
-            f"plan allows {max_staleness} (weight_sync.update_weights_interval - 1, plus one for the async driver)"
+            f"plan allows {max_staleness} (weight_sync.update_weights_interval - 1, plus one for the async schedule)"
         )
     return version - oldest
 
@@ -82,7 +81,7 @@ def push_due(done: int, total: int, interval: int) -> bool:
 
 
 class SingleAdapterLoop:
-    """One adapter trained on the plan's deployment: the sync or async driver of spec §7."""
+    """One adapter trained on the plan's deployment: the sync or async schedule of spec §7."""
 
     def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False):
         self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
@@ -134,7 +133,7 @@ class SingleAdapterLoop:
         plan = self.plan
         key = deployment.api_key  # the run's key: every server requires it
         engines = [EngineClient(url, api_key=key) for url in deployment.engine_urls]
-        rollout_client = rollout_workers(plan, deployment.engine_urls, api_key=key)  # groups spread over the engines
+        rollout_client = rollout_engines(plan, deployment.engine_urls, api_key=key)  # groups spread over the engines
         ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url, api_key=key)
         # One connection pool to the session server for the whole run: every rollout reuses its connections.
         self.session_clients = SessionClients(str(ctx.session_url), api_key=key) if ctx.session_url else None
@@ -148,8 +147,8 @@ class SingleAdapterLoop:
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
         sync = make_sync(plan, engines, plan.adapters[0].lora_name, trainer_address=deployment.trainer_address)
         self.restarts = EngineRestarts(self.executor, sync, self.run_dir, plan.executor.engine_restarts)
-        self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.sync.max_logprob_gap)
-                      if plan.sync.verify else None)  # fmt: skip
+        self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
+                      if plan.weight_sync.verify else None)  # fmt: skip
         self.initial_adapter = trainer.adapter_state()
         self.adapter_shared = share_trainer_adapter(trainer, sync)
         freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
@@ -171,14 +170,14 @@ class SingleAdapterLoop:
 
     async def _steps(self, trainer, sync, ctx, stream, start: int) -> None:
         plan, total = self.plan, self.plan.batch.num_steps
-        overlap = plan.sync.driver == "async"
+        overlap = plan.rollout.schedule == "async"
         pending = self._start_rollout(ctx, stream) if start < total else None
         step_started = time.perf_counter()  # a step's seconds run to its record from the previous one's
         for step in range(start, total):  # the trainer holds weight version `step` (steps trained so far)
             self.tracker.phase(step, "rollout")
             samples, rollout_metrics = await self._rollout_result(pending, ctx, step)
             pending = None
-            staleness = check_staleness(samples, step, plan.sync.staleness_bound)
+            staleness = check_staleness(samples, step, plan.staleness_bound)
             more = step + 1 < total
             if overlap and more:  # generate the next batch with the current weights while this one trains
                 pending = self._start_rollout(ctx, stream)
@@ -187,7 +186,7 @@ class SingleAdapterLoop:
             train_metrics = await asyncio.to_thread(trainer.train, samples)
             train_s = time.perf_counter() - started
             sync_metrics = {}
-            if push_due(step + 1, total, plan.sync.update_weights_interval):
+            if push_due(step + 1, total, plan.weight_sync.update_weights_interval):
                 if pending is not None:
                     await asyncio.wait([pending.task])  # spec: the update waits for the in-flight generation
                 self.tracker.phase(step, "sync")
@@ -245,7 +244,8 @@ class SingleAdapterLoop:
                 "sync/shared_memory": float(report.shared_memory), **probed}  # fmt: skip
 
     async def _push(self, sync, tensors, trainer, version: int, *, what: str):
-        """Push, then probe every engine while the trainer holds exactly the pushed adapter (plan.sync.verify)."""
+        """Push, then probe every engine while the trainer holds exactly the pushed adapter
+        (plan.weight_sync.verify)."""
         try:
             report = await self.restarts.push(tensors, trainer.adapter_config(), version, step=version)
         except SyncVerificationError as error:

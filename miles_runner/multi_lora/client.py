@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from miles_runner.engine.client import http_client
 from miles_runner.multi_lora.registry import NoFreeSlotError, RegistrySnapshot, UnknownAdapterError
+from miles_runner.sglang_client.client import http_client
 
 ERRORS_BY_STATUS: dict[int, type[Exception]] = {400: ValueError, 404: UnknownAdapterError, 409: NoFreeSlotError}
 

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from miles_runner.core.adapters import AdapterLimits, rid_prefix
-from miles_runner.engine.client import EngineClient
-from miles_runner.engine.workers import WorkerSource
 from miles_runner.multi_lora.config import AdapterDefaults, resolve_adapter_config
 from miles_runner.multi_lora.registry import AdapterRegistry, AdapterState, RegistrySnapshot
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.sglang_client.engine_pool import EngineSource
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class MultiLoRAController:
         self,
         defaults: AdapterDefaults,
         limits: AdapterLimits,
-        workers: WorkerSource,
+        engines: EngineSource,
         *,
         abort_timeout_s: float = ABORT_TIMEOUT_S,
         api_key: str | None = None,
@@ -36,7 +36,7 @@ class MultiLoRAController:
         self.defaults = defaults
         self.limits = limits
         self.registry = AdapterRegistry(limits.max_slots)
-        self._workers = workers
+        self._engines = engines
         self._abort_timeout_s = abort_timeout_s
         self._api_key = api_key  # the run's key: a keyed engine refuses an abort without it
 
@@ -68,7 +68,7 @@ class MultiLoRAController:
     async def abort_adapter_requests(self, name: str) -> None:
         """POST /abort_request {"rid": "<name>::", "prefix": true} to every engine; failures are only logged."""
         try:
-            urls = await self._workers()
+            urls = await self._engines()
         except Exception as error:
             log.warning("aborting adapter %s: could not list the engines: %r", name, error)
             return

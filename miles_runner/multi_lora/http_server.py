@@ -25,8 +25,6 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from miles_runner.engine.auth import bearer_matches
-from miles_runner.engine.fastapi_app import fastapi_app
 from miles_runner.multi_lora.api_schema import (
     AdapterList,
     AdapterStates,
@@ -46,6 +44,8 @@ from miles_runner.multi_lora.config import is_file_inside
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
 from miles_runner.multi_lora.settings import load_settings, parse_args
+from miles_runner.sglang_client.auth import bearer_matches
+from miles_runner.sglang_client.fastapi_app import fastapi_app
 
 
 class _Body(BaseModel):

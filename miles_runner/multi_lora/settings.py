@@ -20,13 +20,13 @@ from typing import Any
 
 from miles_runner.config.schema import AdaptersConfig
 from miles_runner.core.adapters import AdapterLimits
-from miles_runner.engine.workers import fixed_workers, router_workers
 from miles_runner.multi_lora.config import AdapterDefaults, plan_overrides
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
 from miles_runner.plan.secrets import secret_value
 from miles_runner.plugins.lookup import registered
+from miles_runner.sglang_client.engine_pool import fixed_engines, router_engines
 
 # The standalone controller's key variable; a run's controller reads the run's (--api-key-env, from the plan's
 # security.api_key_env). Only a variable's name is ever in argv: argv is visible to every local user.
@@ -46,8 +46,8 @@ class ControllerSettings:
 
     def build_controller(self) -> MultiLoRAController:
         key = self.api_token  # the run's one key: the controller requires it, and the engines and router too
-        workers = router_workers(self.router_url, api_key=key) if self.router_url else fixed_workers(self.engine_urls)
-        controller = MultiLoRAController(self.defaults, self.limits, workers, api_key=key)
+        engines = router_engines(self.router_url, api_key=key) if self.router_url else fixed_engines(self.engine_urls)
+        controller = MultiLoRAController(self.defaults, self.limits, engines, api_key=key)
         for name, overrides in self.adapters:
             controller.register_adapter(name, overrides)
         return controller

@@ -23,6 +23,7 @@ from miles_runner.plan.derive import (
     derive,
     resolve_data_path,
 )
+from miles_runner.plan.devices import engine_dist_init_port, engine_layouts, engine_rank_port, trainer_devices
 from miles_runner.plan.model import (
     BatchPlan,
     Capabilities,
@@ -35,14 +36,13 @@ from miles_runner.plan.model import (
     Plan,
     RouterPlan,
     SessionPlan,
-    SyncPlan,
     TrainerPlan,
+    WeightSyncPlan,
     node_host,
     resolve_max_logprob_gap,
     resolve_verify,
 )
 from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES
-from miles_runner.plan.slots import engine_dist_init_port, engine_layouts, engine_rank_port, trainer_slots
 
 LOOPBACK = "127.0.0.1"
 # Where the router and the session server run on a plan that spans nodes: beside the driver (trainer rank 0).
@@ -125,7 +125,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         model_path=d.model_path,
         cluster=ClusterPlan(
             cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_type, cfg.cluster.cpu_only,
-            d.slots_per_node, d.total_slots,
+            d.devices_per_node, d.total_devices,
         ),
         trainer=build_trainer(cfg, d),
         engines=engines,
@@ -134,14 +134,11 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         multi_lora=build_multi_lora(cfg, d),
         adapters=adapters,
         batch=build_batch(cfg, d),
-        sync=SyncPlan(
-            method=d.sync_method,
+        weight_sync=WeightSyncPlan(
+            transfer_mode=d.transfer_mode,
             pause_generation_mode=cfg.weight_sync.pause_generation_mode,
             flush_cache=d.flush_on_sync,
             update_weights_interval=cfg.weight_sync.update_weights_interval,
-            max_weight_staleness=cfg.rollout.max_weight_staleness,
-            driver=cfg.rollout.driver,
-            fully_async=cfg.rollout.fully_async,
             verify=resolve_verify(cfg.weight_sync.verify),
             max_logprob_gap=resolve_max_logprob_gap(cfg.weight_sync.max_logprob_gap, cfg.engine.kind),
         ),
@@ -175,12 +172,12 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
     p = cfg.trainer.parallel
     return TrainerPlan(
         backend=cfg.trainer.backend,
-        lora_mode=cfg.lora.mode,
+        lora_mode=cfg.trainer.lora_mode,
         parallel=Parallelism(
             p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format,
             p.recompute,
         ),
-        placements=[list(s) for s in trainer_slots(d)],
+        placements=[list(s) for s in trainer_devices(d)],
         offload_train=d.offload_train,
         offload_target=cfg.trainer.offload_target,
         launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
@@ -196,7 +193,7 @@ def host_on(cfg: MilesConfig, node: int) -> str:
 
 
 def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
-    """One engine per tp_size rollout slots: one launch within a node; wider, one launch per node it spans."""
+    """One engine per tp_size rollout devices: one launch within a node; wider, one launch per node it spans."""
     engines = []
     for i, layout in enumerate(engine_layouts(cfg, d)):
         nodes = list(layout)
@@ -207,12 +204,13 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
     return engines
 
 
-def engine_launch(cfg: MilesConfig, d: Derived, index: int, nodes: list[int], slot_ids: list[int], rank: int) -> Launch:
-    """Node rank `rank` of engine `index`, on nodes[rank], serving on its engine_rank_port (plan/slots.py). Across
+def engine_launch(cfg: MilesConfig, d: Derived, index: int, nodes: list[int], device_ids: list[int], rank: int
+) -> Launch:
+    """Node rank `rank` of engine `index`, on nodes[rank], serving on its engine_rank_port (plan/devices.py). Across
     nodes every rank runs SGLang's same command with its --node-rank, all meeting at rank 0's node on the engine's
     dist-init port; a rank R > 0 serves its stand-in /health on its own node."""
     node, port = nodes[rank], engine_rank_port(cfg, d, index, rank)
-    env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot_ids))}
+    env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, device_ids))}
     node_rank = None
     if len(nodes) > 1:
         dist_init = f"{host_on(cfg, nodes[0])}:{engine_dist_init_port(cfg, index)}"

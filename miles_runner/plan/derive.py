@@ -24,8 +24,8 @@ class Derived:
     lora_rollout_enabled: bool
     multi_lora: bool
     colocated: bool
-    slots_per_node: int
-    total_slots: int
+    devices_per_node: int
+    total_devices: int
     trainer_nodes: int
     trainer_gpus_per_node: int
     trainer_world_size: int
@@ -37,7 +37,7 @@ class Derived:
     offload_rollout: bool
     use_addition_r3: bool
     router_policy: str
-    sync_method: str
+    transfer_mode: str
     flush_on_sync: bool
     target_modules: list[str]
     engine_lora_names: list[str]
@@ -54,11 +54,11 @@ def derive(cfg: MilesConfig) -> Derived:
     lora_enabled = cfg.adapters.kind != "none"
     multi = cfg.adapters.kind == "multi"
     colocated = cfg.topology.kind == "colocated"
-    slots_per_node = cfg.cluster.cpu_slots_per_node if cfg.cluster.cpu_only else cfg.cluster.gpus_per_node
-    trainer_gpn = cfg.topology.actor_num_gpus_per_node or slots_per_node
+    devices_per_node = cfg.cluster.cpu_devices_per_node if cfg.cluster.cpu_only else cfg.cluster.gpus_per_node
+    trainer_gpn = cfg.topology.actor_num_gpus_per_node or devices_per_node
     trainer_nodes = cfg.topology.actor_num_nodes or cfg.cluster.nodes
     world = trainer_nodes * trainer_gpn
-    total = cfg.cluster.nodes * slots_per_node
+    total = cfg.cluster.nodes * devices_per_node
     rollout_gpus = world if colocated else (cfg.topology.rollout_num_gpus or max(total - world, 0))
     par = cfg.trainer.parallel
     mp = par.tp * par.pp * par.cp
@@ -72,8 +72,8 @@ def derive(cfg: MilesConfig) -> Derived:
         lora_rollout_enabled=lora_enabled and not cfg.adapters.train_only,
         multi_lora=multi,
         colocated=colocated,
-        slots_per_node=slots_per_node,
-        total_slots=total,
+        devices_per_node=devices_per_node,
+        total_devices=total,
         trainer_nodes=trainer_nodes,
         trainer_gpus_per_node=trainer_gpn,
         trainer_world_size=world,
@@ -89,7 +89,7 @@ def derive(cfg: MilesConfig) -> Derived:
             and cfg.rollout.routing_replay
         ),
         router_policy=router_policy(cfg),
-        sync_method=sync_method(cfg),
+        transfer_mode=transfer_mode(cfg),
         flush_on_sync=colocated or cfg.weight_sync.pause_generation_mode != "in_place",
         target_modules=resolved_targets(cfg, cfg.adapters.target_modules),
         engine_lora_names=engine_lora_names(cfg, slots),
@@ -118,7 +118,8 @@ def router_policy(cfg: MilesConfig) -> str:
     return "manual" if cfg.session.version != "off" else "round_robin"
 
 
-def sync_method(cfg: MilesConfig) -> str:
+def transfer_mode(cfg: MilesConfig) -> str:
+    """Colocated engines share the trainer's GPUs: adapters go by tensor hand-off, whatever transfer_mode says."""
     if cfg.topology.kind == "colocated":
         return "tensor"
     return cfg.weight_sync.transfer_mode

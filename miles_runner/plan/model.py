@@ -27,7 +27,7 @@ from miles_runner.config.schema import (
     SecurityConfig,
 )
 from miles_runner.core.adapters import AdapterSpec
-from miles_runner.plan.slots import DIST_INIT_EXTRA_PORTS
+from miles_runner.plan.devices import DIST_INIT_EXTRA_PORTS
 
 # A plan that spans nodes names each node's address by a placeholder, `{node<K>}` (plan node K: the Ray node that
 # offers core.cluster_nodes.node_resource(K)); the node agents fill in the nodes' own addresses at run time.
@@ -82,8 +82,8 @@ class ClusterPlan:
     gpus_per_node: int
     gpu_type: str
     cpu_only: bool
-    slots_per_node: int  # GPUs, or CPU worker slots on a cpu-only cluster
-    total_slots: int
+    devices_per_node: int  # GPUs, or CPU worker processes on a cpu-only cluster
+    total_devices: int
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class TrainerPlan:
     backend: str
     lora_mode: str
     parallel: Parallelism
-    placements: list[list[int]]  # [node, slot] per rank
+    placements: list[list[int]]  # [node, device] per rank
     offload_train: bool
     offload_target: str
     launch: Launch
@@ -122,7 +122,7 @@ class EngineRank:
 
     node_rank: int
     node: int
-    slot_ids: list[int]  # GPU ids on its node (CUDA_VISIBLE_DEVICES)
+    device_ids: list[int]  # GPU ids on its node (CUDA_VISIBLE_DEVICES)
     launch: Launch
 
 
@@ -132,9 +132,9 @@ class EnginePlan:
     kind: str
     build: str  # stock (the pinned SGLang release) | miles_fork (core.sglang_protocol)
     nodes: list[int]
-    slot_ids: list[int]  # GPU ids on the first node (CUDA_VISIBLE_DEVICES)
-    tp: int
-    ep: int
+    device_ids: list[int]  # GPU ids on the first node (CUDA_VISIBLE_DEVICES)
+    tp_size: int
+    ep_size: int
     launch: Launch  # node rank 0: the HTTP server the router, the session server and the driver talk to
     startup_timeout_s: float = EngineConfig.startup_timeout_s  # how long it may take to become healthy
     node_ranks: list[EngineRank] = field(default_factory=list)  # ranks 1.. on nodes[1:]; none within one node
@@ -149,8 +149,8 @@ class EnginePlan:
         return dataclasses.replace(self, launch=self.launch.on_nodes(addresses), node_ranks=ranks)
 
     def placements(self) -> list[tuple[int, int]]:
-        """Every (node, slot) the engine runs on, all its node ranks."""
-        return [(self.nodes[0], s) for s in self.slot_ids] + [(r.node, s) for r in self.node_ranks for s in r.slot_ids]
+        """Every (node, device) the engine runs on, all its node ranks."""
+        return [(self.nodes[0], s) for s in self.device_ids] + [(r.node, s) for r in self.node_ranks for s in r.device_ids]
 
 
 def engine_rank_name(index: int, node_rank: int) -> str:
@@ -205,26 +205,21 @@ class BatchPlan:
 
 
 @dataclass(frozen=True)
-class SyncPlan:
-    method: str  # tensor (colocated) | broadcast (disaggregated) | p2p | disk-delta
+class WeightSyncPlan:
+    # weight_sync.transfer_mode; colocated engines always take the tensor hand-off (miles' colocated path), so
+    # there it is "tensor" whatever the config says: tensor | broadcast | p2p | disk-delta
+    transfer_mode: str
     pause_generation_mode: str
     flush_cache: bool
     update_weights_interval: int  # the adapter is pushed after every N steps, and after the last one
-    max_weight_staleness: int
-    driver: str
-    fully_async: bool
-    verify: bool  # every engine's logprob gap on the push probe, checked right after each push (lora/probe.py)
+    verify: bool  # every engine's logprob gap on the push probe, checked right after each push (weight_sync/probe.py)
     max_logprob_gap: float
 
-    @property
-    def staleness_bound(self) -> int:
-        return staleness_bound(self.update_weights_interval, self.driver)
 
-
-def staleness_bound(update_weights_interval: int, driver: str) -> int:
+def staleness_bound(update_weights_interval: int, schedule: str) -> int:
     """How many weight versions a trained batch can lag the trainer: the steps between pushes (interval - 1),
-    plus one under the async driver, whose next batch is generated while the current one trains."""
-    return update_weights_interval - 1 + (driver == "async")
+    plus one under the async schedule, whose next batch is generated while the current one trains."""
+    return update_weights_interval - 1 + (schedule == "async")
 
 
 def resolve_verify(verify: bool | None) -> bool:
@@ -271,7 +266,7 @@ class Plan:
     multi_lora: MultiLoRAPlan | None
     adapters: list[AdapterSpec]
     batch: BatchPlan
-    sync: SyncPlan
+    weight_sync: WeightSyncPlan
     capabilities: Capabilities
     rollout: RolloutConfig
     algorithm: AlgorithmConfig
@@ -282,9 +277,15 @@ class Plan:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # the run's key: its variable's name only
 
     @property
+    def staleness_bound(self) -> int:
+        """The weight versions a trained batch may lag the trainer (`staleness_bound`)."""
+        return staleness_bound(self.weight_sync.update_weights_interval, self.rollout.schedule)
+
+    @property
     def rollout_url(self) -> str:
         """The router if there is one, else engine 0: the entry for calls any one engine may answer. Generation
-        goes to a worker per prompt group or session instead (engine/workers.py), never through the router."""
+        goes to an engine per prompt group or session instead (sglang_client/engine_pool.py), never through the
+        router."""
         return self.router.launch.url if self.router else self.engines[0].launch.url
 
 

@@ -124,12 +124,12 @@ def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
     return [PYTHON, "-m", "miles_runner.loops.run", "."]
 
 
-def trainer_rank_launch(run_dir: str, rank: int, slot: int, master_address: str, master_port: int) -> Launch:
-    """A follower trainer rank on slot `slot` of its node: it reads RUN_DIR/plan.yaml (a folder every node
+def trainer_rank_launch(run_dir: str, rank: int, device: int, master_address: str, master_port: int) -> Launch:
+    """A follower trainer rank on device `device` of its node: it reads RUN_DIR/plan.yaml (a folder every node
     shares) and joins rank 0's group at master_address:master_port. It serves nothing (no health check)."""
     argv = [PYTHON, "-m", "miles_runner.trainer.ranks", run_dir, "--rank", str(rank),
             "--master-address", master_address, "--master-port", str(master_port)]  # fmt: skip
-    return Launch(argv, env={"LOCAL_RANK": str(slot)}, health_path="")
+    return Launch(argv, env={"LOCAL_RANK": str(device)}, health_path="")
 
 
 def controller_argv(host: str, port: int, api_key_env: str = "") -> list[str]:

@@ -47,14 +47,14 @@ def auth_line(plan: Plan) -> str:
 def cluster_line(plan: Plan) -> str:
     c = plan.cluster
     if c.cpu_only:
-        return f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.slots_per_node} CPU slots (no GPU), {plan.topology}"
-    return f"{c.nodes} nodes x {c.gpus_per_node} {c.gpu_type} ({c.total_slots} GPUs), {plan.topology}"
+        return f"{c.nodes} node{'s' * (c.nodes > 1)} x {c.devices_per_node} CPU devices (no GPU), {plan.topology}"
+    return f"{c.nodes} nodes x {c.gpus_per_node} {c.gpu_type} ({c.total_devices} GPUs), {plan.topology}"
 
 
 def node_lines(plan: Plan) -> list[str]:
     """What runs on each node of a plan that spans nodes, and where its address comes from."""
     on_node: list[list[str]] = [[] for _ in range(plan.cluster.nodes)]
-    for rank, (node, _slot) in enumerate(plan.trainer.placements):
+    for rank, (node, _device) in enumerate(plan.trainer.placements):
         on_node[node].append("driver (trainer rank 0)" if rank == 0 else f"trainer rank {rank}")
     labels = engine_rank_labels(plan)
     for name, launch in server_launches(plan):
@@ -125,7 +125,7 @@ def engines_line(plan: Plan) -> str:
     kind = "SGLang" if e.kind == "sglang" else "embedded (CPU)"
     build = f"stock {SGLANG_VERSION}" if e.build == STOCK else "sglang-miles fork"
     flags = e.launch.argv
-    line = f"{len(plan.engines)} x {kind} ({build} protocol), TP {e.tp} each"
+    line = f"{len(plan.engines)} x {kind} ({build} protocol), TP {e.tp_size} each"
     line += ", routed experts on" if "--enable-return-routed-experts" in flags else ""
     if "--max-lora-rank" in flags:
         line += f", max LoRA rank {flags[flags.index('--max-lora-rank') + 1]}"
@@ -144,7 +144,7 @@ def session_line(plan: Plan) -> str:
     if not plan.capabilities.lora_rollout_enabled:
         adapter = "base model (no LoRA rollout)"
     r3 = "on" if s.use_addition_r3 else "off"
-    pause = plan.sync.pause_generation_mode
+    pause = plan.weight_sync.pause_generation_mode
     return (
         f"{s.version} on :{s.launch.port}, {turns_line(plan)}, {adapter}, incremental R3 {r3} (pause mode {pause}), "
         f"TITO {s.tito_model}, matcher {s.message_matcher}"
@@ -152,8 +152,8 @@ def session_line(plan: Plan) -> str:
 
 
 def rollout_line(plan: Plan) -> str:
-    """How rollouts reach the engines (engine/workers.py): straight to a worker, never through the router (it
-    drops the R3 request fields)."""
+    """How rollouts reach the engines (sglang_client/engine_pool.py): straight to an engine, never through the router
+    (it drops the R3 request fields)."""
     if plan.session:
         return f"agentic episodes through the session server on :{plan.session.launch.port}"
     return f"single-turn, {pinned(plan, 'prompt group')}, samples as /generate"
@@ -165,7 +165,8 @@ def turns_line(plan: Plan) -> str:
 
 
 def pinned(plan: Plan, what: str) -> str:
-    """Where each group or session goes (least-loaded, engine/workers.py): every engine the plan starts serves."""
+    """Where each group or session goes (least-loaded, sglang_client/engine_pool.py): every engine the plan starts
+    serves."""
     n = len(plan.engines)
     if plan.router:
         return f"each {what} pinned to 1 of the router's {n} worker{'s' * (n != 1)} (least-loaded)"
@@ -173,16 +174,16 @@ def pinned(plan: Plan, what: str) -> str:
 
 
 def sync_line(plan: Plan) -> str:
-    s = plan.sync
+    s, r = plan.weight_sync, plan.rollout
     flush = "flush" if s.flush_cache else "no flush"
     return (
-        f"{s.method}, pause {s.pause_generation_mode}, {flush}, every {s.update_weights_interval} step(s), "
-        f"max staleness {s.max_weight_staleness}, driver {s.driver}" + (", fully async" if s.fully_async else "")
+        f"{s.transfer_mode}, pause {s.pause_generation_mode}, {flush}, every {s.update_weights_interval} step(s), "
+        f"max staleness {r.max_weight_staleness}, schedule {r.schedule}" + (", fully async" if r.fully_async else "")
     )
 
 
 def verify_line(plan: Plan) -> str:
-    s = plan.sync
+    s = plan.weight_sync
     gap = (f"every engine's logprob gap <= {s.max_logprob_gap:g} on a fixed probe right after each push, before "
            "training further" if s.verify else "logprob gap off (weight_sync.verify)")  # fmt: skip
     return f"every engine reports each pushed weight version; {gap}"

@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from miles_runner.engine.client import aiohttp_transport, encode_json, http_client
 from miles_runner.plugins.tasks import Message, Prompt
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.samples import Sample
+from miles_runner.sglang_client.client import aiohttp_transport, encode_json, http_client
 
 SESSION_CALL_TIMEOUT_S = 600.0  # an agent's turn waits out the engines' pause for a weight update
 BeforeTurn = Callable[[], Awaitable[bool]]  # asked before each turn is sent: may the episode go on?

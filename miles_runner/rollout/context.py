@@ -1,4 +1,4 @@
-"""What a rollout needs, resolved once from the plan: the engines' workers, tokenizer, task, reward and agent."""
+"""What a rollout needs, resolved once from the plan: the engines, tokenizer, task, reward and agent."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_runner.engine.workers import WorkerPool
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.agents import AgentFn
 from miles_runner.plugins.lookup import get_agent, get_reward, make_task
@@ -15,12 +14,13 @@ from miles_runner.plugins.rewards import RewardFn
 from miles_runner.plugins.tasks import Task
 from miles_runner.session.config import read_num_layers
 from miles_runner.session.tito import TitoTokenizer
+from miles_runner.sglang_client.engine_pool import EnginePool
 
 
 @dataclass
 class RolloutContext:
     plan: Plan
-    workers: WorkerPool  # the engines a prompt group is pinned to, one group per worker (engine/workers.py)
+    engines: EnginePool  # the engines a prompt group is pinned to, one group per engine (sglang_client/engine_pool.py)
     tokenizer: Any  # a TitoTokenizer: one chat rendering for single-turn and session rollouts
     task: Task
     reward: RewardFn
@@ -33,14 +33,14 @@ class RolloutContext:
 
     @classmethod
     def from_plan(
-        cls, plan: Plan, workers: WorkerPool, session_url: str | None, *, api_key: str | None = None
+        cls, plan: Plan, engines: EnginePool, session_url: str | None, *, api_key: str | None = None
     ) -> RolloutContext:
         rollout = plan.rollout
         agentic = plan.session is not None
         lora = plan.adapters[0].lora_name if plan.capabilities.lora_rollout_enabled and plan.adapters else None
         return cls(
             plan=plan,
-            workers=workers,
+            engines=engines,
             tokenizer=TitoTokenizer.from_model_path(plan.model_path),
             task=make_task(rollout.task, plan.seed, rollout.data),
             reward=get_reward(rollout.reward),
@@ -57,8 +57,8 @@ class RolloutContext:
                 "top_k": r.top_k}
 
 
-def rollout_workers(plan: Plan, engine_urls: Sequence[str], *, api_key: str | None = None) -> WorkerPool:
-    """The workers a run's rollouts go to: the router's healthy workers when the plan has a router (so a restarted,
-    re-registered engine is seen), else the deployment's engines; never the router itself, which drops R3."""
+def rollout_engines(plan: Plan, engine_urls: Sequence[str], *, api_key: str | None = None) -> EnginePool:
+    """The engines a run's rollouts go to: those the router lists as healthy when the plan has a router (so a
+    restarted, re-registered engine is seen), else the deployment's engines; never the router itself, which drops R3."""
     router = plan.router.launch.url if plan.router else None
-    return WorkerPool.for_deployment(router, engine_urls, api_key=api_key)
+    return EnginePool.for_deployment(router, engine_urls, api_key=api_key)

@@ -2,8 +2,8 @@
 
 Each adapter samples prompts from its own task (by registered name) with its own data cursor, is scored by
 its own reward and, with a session server, played by its own agent. Without a session server each sample is
-one POST to an engine's native /generate, a group's samples all to the one worker it is pinned to while in
-flight (engine/workers.py; never through the router, which drops R3); with one, each sample is an agentic
+one POST to an engine's native /generate, a group's samples all to the one engine it is pinned to while in
+flight (sglang_client/engine_pool.py; never through the router, which drops R3); with one, each sample is an agentic
 episode (rollout/agentic.py) in a session bound to the adapter's slot, so every turn carries its lora_path,
 `name::` rid and extra_key.
 
@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 
-from miles_runner.engine.client import EngineError, EngineUnavailable
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.producer import request_fields, sampleable_tenant
 from miles_runner.multi_lora.registry import AdapterRun
@@ -36,6 +35,7 @@ from miles_runner.rollout.agentic import EpisodeAborted, SessionCallError, Sessi
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.single_turn import generate_sample
 from miles_runner.session.samples import Sample, SampleStatus
+from miles_runner.sglang_client.client import EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class MultiLoRARollout:
     def __init__(
         self, ctx: RolloutContext, cache: AdaptersCache, *, seed: int, unreachable_grace_s: float = 60.0
     ) -> None:
-        self.ctx = ctx  # the shared engine workers, tokenizer and sampling settings
+        self.ctx = ctx  # the shared engines, tokenizer and sampling settings
         self.cache = cache
         self.seed = seed
         self.cursors: dict[str, int] = {}  # per adapter: the index of its next prompt
@@ -82,7 +82,7 @@ class MultiLoRARollout:
         try:
             return list(await asyncio.gather(*(self._one(ctx, run, prompt, group) for _ in range(n))))
         finally:
-            ctx.workers.release(group)
+            ctx.engines.release(group)
 
     async def aclose(self) -> None:
         """Close the connections to the session server (call once the producer has stopped)."""
@@ -101,7 +101,7 @@ class MultiLoRARollout:
             if ctx.session_url:
                 sample = await self._episode(ctx, run, prompt, fields)
             else:
-                sample = await generate_sample(ctx, await ctx.workers.pin(group), prompt, fields)
+                sample = await generate_sample(ctx, await ctx.engines.pin(group), prompt, fields)
         except (EngineUnavailable, EngineError) as error:
             if isinstance(error, EngineError) and not adapter_missing_on_engine(error):
                 raise

@@ -5,9 +5,9 @@ A group is one request whose `input_ids` lists the prompt n times with one rid p
 answered as a list in input order), not n requests: per sample it is what n single requests would be (the same
 rids, sampling params, logprobs and routed experts), for an eighth of the HTTP round trips and request parsing.
 
-A prompt's group goes to one engine (engine/workers.py: least-loaded over the router's healthy workers, else
-the plan's engines), so its samples share the prompt's prefix cache and groups spread over every engine. The
-requests go straight to that worker, never through the router, which drops the R3 request fields.
+A prompt's group goes to one engine (sglang_client/engine_pool.py: least-loaded over the engines the router lists as
+healthy, else the plan's engines), so its samples share the prompt's prefix cache and groups spread over every engine.
+The requests go straight to that engine, never through the router, which drops the R3 request fields.
 
 Under routing replay (R3) each request asks for the routed experts, and the sample carries them as the engine
 returned them: ``(len(tokens) - 1, num_layers, top_k)``, row i the routing of token i.
@@ -19,11 +19,11 @@ import asyncio
 import uuid
 from typing import Any
 
-from miles_runner.engine import response
-from miles_runner.engine.client import EngineClient
 from miles_runner.plugins.tasks import Prompt
 from miles_runner.rollout.context import RolloutContext
 from miles_runner.session.samples import STATUS_OF_FINISH, Sample, SampleStatus
+from miles_runner.sglang_client import response
+from miles_runner.sglang_client.client import EngineClient
 
 
 async def rollout_single_turn(ctx: RolloutContext, prompts: list[Prompt]) -> list[Sample]:
@@ -32,9 +32,9 @@ async def rollout_single_turn(ctx: RolloutContext, prompts: list[Prompt]) -> lis
 
 
 async def sample_group(ctx: RolloutContext, prompt: Prompt) -> list[Sample]:
-    """The prompt's n samples, all generated on the one worker the group is pinned to while in flight."""
+    """The prompt's n samples, all generated on the one engine the group is pinned to while in flight."""
     group = f"p{prompt.index}-{uuid.uuid4().hex[:8]}"
-    async with ctx.workers.lease(group) as engine:
+    async with ctx.engines.lease(group) as engine:
         rids = [f"{group}-s{k}" for k in range(ctx.plan.batch.n_samples_per_prompt)]
         fields = {"lora_path": ctx.lora_name} if ctx.lora_name else {}
         return await generate_group(ctx, engine, prompt, rids, fields)

@@ -31,9 +31,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from miles_runner.engine.auth import install_auth
-from miles_runner.engine.client import EngineError
-from miles_runner.engine.fastapi_app import fastapi_app
 from miles_runner.session import openapi as doc
 from miles_runner.session.body import parse_json_object
 from miles_runner.session.config import AdapterSlot, SessionServerConfig, read_sampling_defaults
@@ -43,6 +40,9 @@ from miles_runner.session.proxy import MODEL_CARD_ROUTE, PROXIED_GET_PATHS, forw
 from miles_runner.session.request import fake_stream, strip_replay_payloads
 from miles_runner.session.tito import TitoTokenizer
 from miles_runner.session.upstream import SessionUpstream
+from miles_runner.sglang_client.auth import install_auth
+from miles_runner.sglang_client.client import EngineError
+from miles_runner.sglang_client.fastapi_app import fastapi_app
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 MAX_REAP_INTERVAL_S = 60.0
@@ -79,7 +79,7 @@ def create_app(config: SessionServerConfig, tito: TitoTokenizer | None = None) -
     app.add_exception_handler(HTTPException, _http_error_response)
     _add_routes(app, config)
     doc.drop_unreachable_validation_errors(app)
-    # Every route is SGLang's NORMAL level: the run's key, except the always-open /health (engine/auth.py).
+    # Every route is SGLang's NORMAL level: the run's key, except the always-open /health (sglang_client/auth.py).
     install_auth(app, api_key=config.api_key, admin_api_key=None)
     return app
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from miles_runner.core.tito_families import tito_family
-from miles_runner.engine.chat_as_generate import MODEL_DEFAULT_FIELDS
 from miles_runner.session.messages import resolve_matcher
+from miles_runner.sglang_client.chat_as_generate import MODEL_DEFAULT_FIELDS
 
 SessionVersion = Literal["v1", "v2"]
 

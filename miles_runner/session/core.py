@@ -6,7 +6,7 @@ time (a second one while a turn is in flight is a 409: it could only replace the
 concurrently and all become nodes of the tree.
 
 Limits: at most `max_sessions` open sessions (429 beyond); a session older than `max_age_s` is gone (404),
-its in-flight turns aborted and its worker pin released. DELETE, expiry and shutdown abort a session's
+its in-flight turns aborted and its engine pin released. DELETE, expiry and shutdown abort a session's
 in-flight turns on its engine by their rids (request.py gives every turn one).
 """
 
@@ -19,8 +19,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_runner.engine.chat_as_generate import chat_completion, generate_body
-from miles_runner.engine.client import EngineError, EngineUnavailable
 from miles_runner.session.codec import encode_samples
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import (
@@ -40,6 +38,8 @@ from miles_runner.session.tito import TitoTokenizer
 from miles_runner.session.tree import TreeTrajectory, TreeTurnPlan
 from miles_runner.session.tree_samples import build_leaf_samples, drop_retries, postprocess
 from miles_runner.session.upstream import SessionUpstream
+from miles_runner.sglang_client.chat_as_generate import chat_completion, generate_body
+from miles_runner.sglang_client.client import EngineError, EngineUnavailable
 
 CHAT_PATH = "/v1/chat/completions"
 ABORT_WINDOW_S, ABORT_RETRY_S = 3.0, 0.2
@@ -146,7 +146,7 @@ class SessionCore:
 
     async def _abort_turn(self, session_id: str, rid: str) -> None:
         try:
-            await (await self.upstream.worker(session_id)).abort_request(rid)
+            await (await self.upstream.engine(session_id)).abort_request(rid)
         except (EngineError, EngineUnavailable) as error:
             log.warning("could not abort turn %s of session %s: %s", rid, session_id, error)
 
@@ -188,7 +188,7 @@ class SessionCore:
         """The turn's chat reply (recorded with `chat` as the turn's request)."""
         wire = generate_body(chat, model_defaults=self.sampling_defaults)
         try:
-            # Native /generate straight to the session's pinned worker, not chat through the router: sglang-router
+            # Native /generate straight to the session's pinned engine, not chat through the router: sglang-router
             # 0.3.2 rebuilds request bodies and drops input_ids, return_meta_info, R3, rid and extra_key
             # (upstream.py); SGLang itself builds its chat reply from this same native result.
             native = await self.upstream.generate(session_id, wire)

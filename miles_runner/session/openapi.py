@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from miles_runner.engine.fastapi_app import drop_validation_422
+from miles_runner.sglang_client.fastapi_app import drop_validation_422
 
 ERROR = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
 # An engine error passed through as it came: SGLang's {"error": {...}} or {"object": "error", ...}, or text.

@@ -28,8 +28,8 @@ from urllib.parse import quote
 
 from fastapi import Response
 
-from miles_runner.engine.client import ROUTING_KEY_HEADER, EngineClient, EngineUnavailable
 from miles_runner.session.errors import UpstreamResponseError
+from miles_runner.sglang_client.client import ROUTING_KEY_HEADER, EngineClient, EngineUnavailable
 
 PROXIED_GET_PATHS = ("/v1/models", "/model_info", "/get_model_info")
 MODEL_CARD_ROUTE = "/v1/models/{model:path}"

@@ -6,7 +6,7 @@ append-only stream of patches: any gap, overlap, missing payload or wrong size i
 turn and the rows, never a silently wrong tensor.
 
 Speed (bench/r3_merge_speed.py): once the first patch has set the result's width, each patch is base64-decoded
-straight into its rows of the preallocated result (engine/base64_into.py: one pass, no intermediate bytes); a
+straight into its rows of the preallocated result (sglang_client/base64_into.py: one pass, no intermediate bytes); a
 patch that does not fit exactly (another top-k, a stop-edge row) is decoded on its own and checked. A 50-turn
 session of a 48-layer top-8 model merges about 50 MB at two thirds of a plain copy's bandwidth that way. (Threads
 gained nothing here: the writes into fresh pages of the result bound it, not the decoding.)
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from miles_runner.engine.base64_into import b64decode_into
-from miles_runner.engine.routed_experts import decode_routed_experts
 from miles_runner.session.errors import TokenizationError
 from miles_runner.session.records import SessionRecord
 from miles_runner.session.tito import common_prefix_len
+from miles_runner.sglang_client.base64_into import b64decode_into
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
 
 
 def addition_r3_start_len(checkpoint_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:

@@ -1,5 +1,5 @@
 """One turn's wire handling, pure: the chat request a turn makes (recorded as the turn's request, and sent as
-SGLang's /generate: engine/chat_as_generate.py), and what the agent gets back."""
+SGLang's /generate: sglang_client/chat_as_generate.py), and what the agent gets back."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from miles_runner.core.adapters import adapter_request_fields
-from miles_runner.engine.chat_as_generate import model_adapter, unsupported_chat_fields
 from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.errors import MessageValidationError, UpstreamResponseError
 from miles_runner.session.messages import Message, normalize_message
+from miles_runner.sglang_client.chat_as_generate import model_adapter, unsupported_chat_fields
 
 REPLAY_KEYS = ("routed_experts", "indexer_topk")
 # The chat fields this server reads itself (the engine checks the ones it only passes on).

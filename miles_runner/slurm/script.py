@@ -64,7 +64,7 @@ def render_array_script(options: list[str], name: str, sweep_dir: Path, job_dirs
 def job_body(plan: Plan, settings: SlurmSettings, job_dir: str | Path, python: str) -> str:
     cluster = plan.cluster
     srun = "srun --overlap -N1 -n1 " + "".join(f"{shlex.quote(a)} " for a in settings.srun_args)
-    node_args = f"--num-cpus={max(cluster.slots_per_node, 1)} --num-gpus={cluster.gpus_per_node}"
+    node_args = f"--num-cpus={max(cluster.devices_per_node, 1)} --num-gpus={cluster.gpus_per_node}"
     head_ip = (LOOPBACK if cluster.nodes == 1  # one node: every address stays on loopback
                else f'$({srun}-w "$HEAD" hostname -I | cut -d" " -f1)')
     setup = "".join(f"{line}\n" for line in settings.setup)

@@ -1,5 +1,5 @@
 """The advantage estimators (``algorithm.advantage_estimator``), computed as miles computes them; one dispatch,
-``Estimator.advantages``, used by the single-adapter and the multi-adapter trainer.
+``Estimator.advantages``, used by the single-adapter and the multi-LoRA trainer.
 
 Rewards arrive one per sample, group by group (``[g0s0, g0s1, ..., g1s0, ...]``):
 

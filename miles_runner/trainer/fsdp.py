@@ -149,7 +149,7 @@ class FSDPTrainer:
         return response_values(self._log_probs(batch, adapter=adapter), samples)
 
     def probe_log_probs(self, token_ids: Sequence[int]) -> list[float]:
-        """The adapter's raw logprobs of the push probe (lora/probe.py); collective under FSDP2."""
+        """The adapter's raw logprobs of the push probe (weight_sync/probe.py); collective under FSDP2."""
         self.model.eval()
         return sequence_log_probs(self.model, token_ids)
 

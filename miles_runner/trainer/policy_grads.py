@@ -1,8 +1,8 @@
 """The pieces of a policy update that every trainer shares: the optimizer it builds, the loss settings of the
 plan's algorithm, and the micro-batched backward pass of the one policy loss (loss.py) over rows of a packed batch.
 
-The single-adapter trainer (fsdp.py) steps after every global batch; the multi-adapter trainer
-(multi_adapter.py) keeps gradients across train calls and steps an adapter only when its batch is complete.
+The single-adapter trainer (fsdp.py) steps after every global batch; the multi-LoRA trainer
+(multi_lora.py) keeps gradients across train calls and steps an adapter only when its batch is complete.
 Both accumulate gradients with `accumulate_policy_gradients`.
 """
 

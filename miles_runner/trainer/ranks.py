@@ -2,7 +2,7 @@
 world_size - 1 follower processes replay every call rank 0 makes on the trainer (SPMD), so the collectives
 inside the trainer (FSDP2 all-gathers, gradient all-reduces, full state-dict gathers) line up on every rank.
 
-Each rank runs where plan.trainer.placements puts it ([node, slot]): the driver is on node 0 and starts the
+Each rank runs where plan.trainer.placements puts it ([node, device]): the driver is on node 0 and starts the
 followers of node 0 itself; a follower on another node is started by that node's agent (`RemoteRanks`, from the
 Ray executor's deployment), and every rank joins rank 0 at node 0's own address (loopback on one node).
 
@@ -38,7 +38,7 @@ from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.procs.launch import launch_process
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
+from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,15 @@ REPLAYED = frozenset({
 
 
 def build_trainer(plan: Plan) -> Any:
-    """This rank's trainer for the plan: the multi-adapter trainer for multi-LoRA, the Megatron trainer for
+    """This rank's trainer for the plan: the multi-LoRA trainer for multi-LoRA, the Megatron trainer for
     trainer=megatron, else the FSDP trainer."""
     if plan.cluster.cpu_only:
-        # One intra-op thread per rank, as the embedded engine has: each holds one CPU slot, the matrices are tiny,
+        # One intra-op thread per rank, as the embedded engine has: each holds one CPU device, the matrices are tiny,
         # and two OpenMP threads wait at every op's barrier for a core the engine or another rank is using
         # (bench/single_turn_step.py: train 0.82 s with two threads, 0.15 s with one, on the loaded 2-core machine).
         torch.set_num_threads(1)
     if plan.capabilities.multi_lora:
-        return MultiAdapterTrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
+        return MultiLoRATrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
     if plan.trainer.backend == "megatron":
         from miles_runner.trainer.megatron.trainer import build_megatron_trainer  # megatron imports take seconds
 
@@ -195,8 +195,8 @@ def start_follower(
     plan: Plan, run_dir: Path, rank: int, master: str, port: int, remote: RemoteRanks | None
 ) -> Follower:
     """Start follower `rank` on the node its placement names: here on node 0, else by that node's agent."""
-    node, slot = plan.trainer.placements[rank]
-    launch, name = trainer_rank_launch(str(Path(run_dir).resolve()), rank, slot, master, port), f"trainer{rank}"
+    node, device = plan.trainer.placements[rank]
+    launch, name = trainer_rank_launch(str(Path(run_dir).resolve()), rank, device, master, port), f"trainer{rank}"
     if node == 0:
         return launch_process(name, launch, Path(run_dir) / "logs", startup_timeout_s=0).start()
     if remote is None:

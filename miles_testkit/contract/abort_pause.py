@@ -7,7 +7,7 @@ import contextlib
 from typing import Any
 
 from miles_runner.core.sglang_protocol import MILES_FORK
-from miles_runner.engine import response as res
+from miles_runner.sglang_client import response as res
 from miles_testkit.contract.base import ContractTarget, contract_check
 from miles_testkit.contract.helpers import (
     BackgroundStream,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.core.sglang_protocol import MILES_FORK
-from miles_runner.engine.client import EngineClient
+from miles_runner.sglang_client.client import EngineClient
 
 PROMPT = "What is 3 plus 4?"
 CHECK_TIMEOUT_S = 180.0
@@ -31,7 +31,7 @@ class ContractTarget:
 
     `lora_wire` turns an adapter's `{name: tensor}` and `weights_wire` base weights into one entry of
     `serialized_named_tensors` (MultiprocessingSerializer strings for real SGLang, base64 safetensors for the
-    embedded engine: engine/tensor_wire.py). `long_tokens` is a generation length that is still running a
+    embedded engine: sglang_client/tensor_wire.py). `long_tokens` is a generation length that is still running a
     moment after its first token arrives. `logprob_tol` is how far two runs of the same request may differ
     (float32 on CPU is near exact; an engine in bf16 needs more). `build` is the SGLang build the engine serves
     as (core.sglang_protocol): the checks of fork-only features expect the fork's behaviour, or stock's.

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_runner.engine import response as res
-from miles_runner.engine.routed_experts import decode_routed_experts
+from miles_runner.sglang_client import response as res
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
 from miles_testkit.contract.base import PROMPT, ContractTarget, contract_check
 from miles_testkit.contract.helpers import expect
 

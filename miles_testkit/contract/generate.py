@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from miles_runner.engine import response as res
+from miles_runner.sglang_client import response as res
 from miles_testkit.contract.base import PROMPT, ContractTarget, contract_check
 from miles_testkit.contract.helpers import expect, generate_payload, greedy, rid
 

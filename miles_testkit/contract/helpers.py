@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Mapping
 from types import TracebackType
 from typing import Any
 
-from miles_runner.engine import response as res
-from miles_runner.engine.client import EngineClient, EngineError
+from miles_runner.sglang_client import response as res
+from miles_runner.sglang_client.client import EngineClient, EngineError
 from miles_testkit.contract.base import PROMPT, ContractTarget, ContractViolation
 
 

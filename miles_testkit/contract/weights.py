@@ -7,7 +7,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from miles_runner.engine import response as res
+from miles_runner.sglang_client import response as res
 from miles_testkit.contract.base import ContractTarget, contract_check
 from miles_testkit.contract.helpers import expect, generate_payload, greedy_logprobs
 

@@ -36,7 +36,7 @@ def test_the_model_has_the_qwen_shape(model_dir):
 
 @pytest.mark.parametrize("rank", bench.RANKS)
 def test_reported_bytes_are_the_adapters_tensor_bytes(model_dir, rank):
-    from miles_runner.lora.adapter_sync import tensor_bytes
+    from miles_runner.weight_sync.adapter_sync import tensor_bytes
 
     tensors, config = bench.make_adapter(model_dir, rank)
     assert config["r"] == rank and sorted(config["target_modules"]) == sorted(bench.TARGETS)

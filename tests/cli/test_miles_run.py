@@ -39,7 +39,7 @@ def test_plan_flag_writes_plan_config_and_provenance(tmp_path, capsys):
     run_dir = only_run_dir(tmp_path)
     assert {p.name for p in run_dir.iterdir()} == {"plan.yaml", "config.yaml", "provenance.json"}
     assert f"plan tiny_multi_lora -> {run_dir / 'plan.yaml'}" in out
-    assert "1 node x 2 CPU slots (no GPU), disaggregated" in out
+    assert "1 node x 2 CPU devices (no GPU), disaggregated" in out
     assert "python -m miles_runner.embedded_engine" in out
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.config.loader import SchemaError, load_dataclass
-from miles_runner.config.schema import CHOICES, MilesConfig, defaults_tree
+from miles_runner.config.schema import CHOICES, RENAMED_KEYS, MilesConfig, defaults_tree
 from miles_runner.core.errors import PlanError
 
 
@@ -87,3 +87,30 @@ def test_comma_string_becomes_a_list_for_list_fields():
 def test_unquoted_comma_value_explains_list_string_and_sweep():
     [problem] = problems_of(["adapters.target_modules=q_proj,v_proj"])
     assert "use key=[value1,value2]" in problem.reason and "--multirun" in problem.reason
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("rollout.driver", "rollout.schedule"), ("cluster.cpu_slots_per_node", "cluster.cpu_devices_per_node"),
+     ("lora.mode", "trainer.lora_mode")],
+)
+def test_a_renamed_key_on_the_command_line_names_the_new_key_with_the_value(old, new):
+    [problem] = problems_of([f"{old}=async"])
+    assert problem.rule == "unknown-key"
+    assert problem.settings == [(old, "command line")]
+    assert f"renamed: did you mean '{new}'?" in problem.reason
+    assert problem.fix == f"{new}=async"
+
+
+def test_a_renamed_key_appended_or_in_a_file_names_the_new_key():
+    [problem] = problems_of(["+rollout.driver=async"])
+    assert problem.settings[0][0] == "rollout.driver"
+    assert problem.fix == "rename it to rollout.schedule"
+
+
+def test_an_old_section_holding_a_renamed_key_is_reported_at_the_old_key():
+    with pytest.raises(SchemaError) as info:
+        load_dataclass(MilesConfig, {"lora": {"mode": "raw"}}, CHOICES, RENAMED_KEYS)
+    [issue] = info.value.issues
+    assert issue.path == "lora.mode"
+    assert issue.hint == "renamed: did you mean 'trainer.lora_mode'?"

@@ -19,7 +19,7 @@ MEGATRON_CPU = ("trainer=megatron", "lora_mode=raw")  # the Megatron trainer, ra
 QWEN05 = ("+recipe=qwen25_05b_lora",)  # the Megatron trainer with Megatron-Bridge LoRA on one GPU
 
 DRIVER = "tests/loops/test_driver.py"
-SGLANG_ARGS = "tests/engine/test_sglang_launch_args.py"
+SGLANG_ARGS = "tests/sglang_client/test_sglang_launch_args.py"
 GPU_ENGINE = (f"{SGLANG_ARGS}::test_each_gpu_engine_setting_reaches_the_sglang_command_line",)
 FSDP = "tests/trainer/test_fsdp.py"
 OPTIONS = "tests/trainer/test_trainer_options.py"
@@ -48,13 +48,13 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Refused("engine-model-fits-memory", "1", ("cluster=gpu_1x", "engine=sglang", "model=qwen3_4b")),
     ),
     "cluster.cpu_only": (Refused("gpu-cluster-needs-gpus", "false"),),
-    "cluster.cpu_slots_per_node": (
+    "cluster.cpu_devices_per_node": (
         Runs(("tests/multi_lora_e2e/test_trainer_ranks.py::test_a_multi_lora_run_trains_on_two_trainer_ranks",)),
         Refused("sizes-positive", "0"),
     ),
     "cluster.memory_gb_per_node": (Refused("host-memory-holds-cpu-plan", "0.001"),),
     # ---- topology ----
-    "topology.kind": (Runs((f"{DRIVER}::test_async_driver_overlaps_generation_and_trains_one_version_stale",)),),
+    "topology.kind": (Runs((f"{DRIVER}::test_async_schedule_overlaps_generation_and_trains_one_version_stale",)),),
     "topology.actor_num_nodes": (Refused("trainer-fits-cluster", "2"),),
     "topology.actor_num_gpus_per_node": (
         Runs((f"{DRIVER}::test_a_run_on_two_trainer_ranks_trains_and_saves_its_adapter",)),
@@ -138,7 +138,7 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "trainer.rematerialize_param_from_master_weight": (Refused("rematerialize-rejects-lora", "true"),),
     "trainer.keep_old_actor": (Refused("keep-old-actor-not-built", "true"),),
     # ---- LoRA and adapters ----
-    "lora.mode": (Refused("lora-mode-matches-trainer", "bridge"), Refused("lora-mode-matches-trainer", "raw")),
+    "trainer.lora_mode": (Refused("lora-mode-matches-trainer", "bridge"), Refused("lora-mode-matches-trainer", "raw")),
     "adapters.kind": (Refused("full-weight-training-not-built", "none", ("lora_mode=none",)),
                       Runs(("tests/multi_lora_e2e/test_lifecycle.py::test_the_new_tenant_trains_and_the_others_carry_on_to_their_num_step",
                             f"{DRIVER}::test_run_logs_one_metrics_record_per_step_with_weight_versions"))),
@@ -178,8 +178,8 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "adapters.max_empty_wait_s": (Runs(("tests/multi_lora/test_loop_waits.py::test_an_empty_collect_gives_up_after_max_empty_wait_s", "tests/multi_lora/test_loop_waits.py::test_an_empty_collect_waits_for_max_empty_wait_s")),),
     # ---- engine ----
     "engine.build": (
-        Runs(("tests/engine/test_sglang_pin.py::test_the_embedded_engine_is_launched_as_the_plans_build",
-              "tests/engine/test_embedded_protocol.py::test_served_as_stock_the_fork_route_is_a_404_and_the_prefix_field_is_dropped")),
+        Runs(("tests/sglang_client/test_sglang_pin.py::test_the_embedded_engine_is_launched_as_the_plans_build",
+              "tests/sglang_client/test_embedded_protocol.py::test_served_as_stock_the_fork_route_is_a_404_and_the_prefix_field_is_dropped")),
         Refused("stock-sglang-has-no-lora-broadcast", "stock", TINY_MULTI),
     ),
     "engine.kind": (Runs(("tests/executors/test_plan_engines.py::test_engine_kind_selects_the_module_the_executor_starts", "tests/executors/test_plan_engines.py::test_the_engine_serves_the_base_model_under_model_name")),),
@@ -208,9 +208,9 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     # ---- router ----
     "router.kind": (Runs(("tests/executors/test_local_executor.py::test_engines_and_router_start_healthy_and_all_stop",)),),
-    "router.policy": (Runs(("tests/engine/test_router.py::test_routing_key_keeps_each_session_on_one_engine",)),),
+    "router.policy": (Runs(("tests/sglang_client/test_router.py::test_routing_key_keeps_each_session_on_one_engine",)),),
     "router.port": (Runs(("tests/executors/test_local_executor.py::test_engines_and_router_start_healthy_and_all_stop",)),),
-    "router.metrics_port": (Runs(("tests/engine/test_router.py::test_router_argv_binds_metrics_to_the_router_host",)),),
+    "router.metrics_port": (Runs(("tests/sglang_client/test_router.py::test_router_argv_binds_metrics_to_the_router_host",)),),
     # ---- session server ----
     "session.version": (Runs(("tests/session/test_server_turns.py::test_v2_incremental_r3_of_each_leaf_matches_its_full_r3_oracle",)),),
     "session.host": (Runs(("tests/session/test_standalone_server.py::test_cli_flags_map_onto_the_config",)),),
@@ -245,16 +245,16 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "rollout.data": (Runs(("tests/multi_lora/test_rollout_data.py::test_adapters_on_the_jsonl_task_read_their_own_data_files",)),),
     "rollout.rollout_batch_size": (Runs((f"{DRIVER}::test_run_logs_one_metrics_record_per_step_with_weight_versions",)),),
     "rollout.n_samples_per_prompt": (Runs(("tests/multi_lora/test_batch_collection.py::test_groups_leave_in_whole_dp_chunks",)),),
-    "rollout.max_response_len": (Runs(("tests/engine/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/engine/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
+    "rollout.max_response_len": (Runs(("tests/sglang_client/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/sglang_client/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
     "rollout.max_turns": (Runs(("tests/rollout/test_tasks.py::test_guess_number_ends_after_max_turns_and_asks_for_a_number",)),),
-    "rollout.temperature": (Runs(("tests/engine/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/engine/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
-    "rollout.top_p": (Runs(("tests/engine/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/engine/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
-    "rollout.top_k": (Runs(("tests/engine/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/engine/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
-    "rollout.driver": (Runs((f"{DRIVER}::test_async_driver_overlaps_generation_and_trains_one_version_stale",)),),
+    "rollout.temperature": (Runs(("tests/sglang_client/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/sglang_client/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
+    "rollout.top_p": (Runs(("tests/sglang_client/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/sglang_client/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
+    "rollout.top_k": (Runs(("tests/sglang_client/test_rollout_sampling.py::test_single_turn_requests_sample_with_the_plans_settings", "tests/sglang_client/test_rollout_sampling.py::test_session_turns_sample_with_the_plans_settings")),),
+    "rollout.schedule": (Runs((f"{DRIVER}::test_async_schedule_overlaps_generation_and_trains_one_version_stale",)),),
     "rollout.fully_async": (Refused("fully-async-not-built", "true"),),
     "rollout.max_weight_staleness": (
         Runs(("tests/loops/test_sync_schedule.py::test_a_batch_beyond_the_bound_stops_the_run_naming_the_settings",
-              f"{DRIVER}::test_async_driver_overlaps_generation_and_trains_one_version_stale")),
+              f"{DRIVER}::test_async_schedule_overlaps_generation_and_trains_one_version_stale")),
         Refused("update-interval-within-staleness", "0",
                 ("weight_sync.update_weights_interval=2", "rollout.max_weight_staleness=1")),
     ),
@@ -269,7 +269,7 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     "rollout.indexer_replay": (Refused("indexer-replay-needs-dsa", "true"),),
     # ---- weight sync ----
-    "weight_sync.pause_generation_mode": (Runs(("tests/lora/test_tensor_sync.py::test_push_pauses_running_requests_and_continues_them",)),),
+    "weight_sync.pause_generation_mode": (Runs(("tests/weight_sync/test_tensor_sync.py::test_push_pauses_running_requests_and_continues_them",)),),
     "weight_sync.transfer_mode": (Refused("lora-sync-needs-broadcast", "p2p"),),
     "weight_sync.update_weights_interval": (
         Runs((f"{WEIGHT_SYNC}::test_the_engines_weight_version_changes_only_every_interval_steps_and_after_the_last",
@@ -278,13 +278,13 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     "weight_sync.verify": (
         Runs((f"{WEIGHT_SYNC}::test_every_push_is_probed_on_the_engine_against_the_trainer",
-              "tests/lora/test_verify.py::test_a_healthy_push_passes_the_probe_on_every_engine",
+              "tests/weight_sync/test_verify.py::test_a_healthy_push_passes_the_probe_on_every_engine",
               "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts",
-              "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_async_driver_at_its_first_push_after_step_0",
+              "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_async_schedule_at_its_first_push_after_step_0",
               "tests/multi_lora_e2e/test_push_probe.py::test_a_frozen_adapter_stops_a_multi_lora_run_at_its_first_push_after_a_step")),
     ),
     "weight_sync.max_logprob_gap": (
-        Runs(("tests/lora/test_verify.py::test_an_engine_that_keeps_the_old_adapter_fails_the_probe_by_name",
+        Runs(("tests/weight_sync/test_verify.py::test_an_engine_that_keeps_the_old_adapter_fails_the_probe_by_name",
               "tests/loops/test_learning.py::test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its_rollouts")),
         Refused("max-logprob-gap-positive", "0"),
     ),

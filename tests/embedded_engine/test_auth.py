@@ -13,7 +13,7 @@ import pytest
 
 from miles_runner.core.sglang_protocol import LORA_BROADCAST_ROUTE
 from miles_runner.embedded_engine.args import parse_args
-from miles_runner.engine.auth import ADMIN_OPTIONAL, NORMAL, allowed
+from miles_runner.sglang_client.auth import ADMIN_OPTIONAL, NORMAL, allowed
 from miles_testkit.contract.sglang_spec import HTTP_SERVER, SpecMissing, pinned_wheel
 
 from .server_process import EngineProcess, start_engine

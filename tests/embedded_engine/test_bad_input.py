@@ -107,7 +107,7 @@ async def test_invalid_admin_body_is_400(client, path, body):
     assert response.status_code == 400, response.text
 
 
-SEGMENT_HANDLES = {  # base64 of shared-memory handles (engine/tensor_shm.py) that must not reach any file
+SEGMENT_HANDLES = {  # base64 of shared-memory handles (sglang_client/tensor_shm.py) that must not reach any file
     "escape": ("bWlsZXMtc2htOi4uLy4uL2V0Yy9wYXNzd2Q=", "not a tensor segment name"),  # miles-shm:../../etc/passwd
     "missing": ("bWlsZXMtc2htOm1pbGVzLXRlbnNvcnMtMS0wMDAwMDAwMDAwMDAwMDAw", "cannot be opened here"),
 }

@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_runner.engine.tensor_wire import serialize_lora_tensors, serialize_named_tensors
-from miles_runner.engine.weight_update_group import (
+from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_runner.sglang_client.tensor_wire import serialize_lora_tensors, serialize_named_tensors
+from miles_runner.sglang_client.weight_update_group import (
     broadcast_tensors,
     destroy_weight_update_group,
     dtype_name,
     init_weight_update_group,
 )
-from miles_runner.procs.ports import LOOPBACK, free_port
 
 from .server_process import EngineProcess, start_engine
 

@@ -15,7 +15,7 @@ import torch
 
 from miles_runner.embedded_engine import prefix_cache as prefix_cache_module
 from miles_runner.embedded_engine.prefix_cache import BLOCK, PrefixCache
-from miles_runner.engine.routed_experts import decode_routed_experts
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
 
 from .server_process import EngineProcess, start_engine
 

@@ -7,7 +7,7 @@ import base64
 import numpy as np
 import pytest
 
-from miles_runner.engine.routed_experts import decode_routed_experts, encode_routed_experts
+from miles_runner.sglang_client.routed_experts import decode_routed_experts, encode_routed_experts
 
 pytestmark = pytest.mark.integration
 

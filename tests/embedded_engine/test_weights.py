@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_runner.engine.tensor_wire import serialize_named_tensors
+from miles_runner.sglang_client.tensor_wire import serialize_named_tensors
 
 PROMPT = {
     "input_ids": [5, 6, 7, 8],

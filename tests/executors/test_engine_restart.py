@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from miles_runner.engine.router import ensure_worker
 from miles_runner.executors.local import EngineLostError, LocalExecutor
+from miles_runner.sglang_client.router import ensure_worker
 
 from .test_local_executor import tiny_plan, wait_gone
 
@@ -34,7 +34,7 @@ def generate(url: str) -> dict:
     return reply.json()
 
 
-def router_workers(url: str) -> set[str]:
+def router_engines(url: str) -> set[str]:
     body = httpx.get(f"{url}/workers", timeout=10, trust_env=False).json()
     return {w["url"].rstrip("/") for w in body["workers"]}
 
@@ -50,7 +50,7 @@ def test_a_dead_engine_comes_back_on_its_port_behind_the_router_until_the_budget
         new = executor.engines[0]
         assert new.pid != old_pid and new.alive
         assert generate(deployment.engine_urls[0])["meta_info"]["completion_tokens"] == 2
-        assert router_workers(deployment.rollout_url) == set(deployment.engine_urls)
+        assert router_engines(deployment.rollout_url) == set(deployment.engine_urls)
         assert new in executor.group.processes  # so it is stopped with the others
 
         kill_engine(executor, 0)
@@ -69,9 +69,9 @@ def test_a_worker_the_router_dropped_is_registered_again(tmp_path):
         removed = httpx.delete(f"{router}/workers/{worker_id}", timeout=10, trust_env=False)
         assert removed.is_success, removed.text
         deadline = time.monotonic() + 30
-        while worker in router_workers(router):
+        while worker in router_engines(router):
             assert time.monotonic() < deadline, "the router kept the worker it was told to remove"
             time.sleep(0.2)
         ensure_worker(router, worker, timeout_s=60)
-        assert router_workers(router) == set(deployment.engine_urls)
+        assert router_engines(router) == set(deployment.engine_urls)
 

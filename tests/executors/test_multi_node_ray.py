@@ -4,7 +4,7 @@ told apart by the custom resources miles_node_K that the Slurm job script gives 
 A scaled-down glm52-shaped plan (2 nodes, colocated, the session server behind the router, one engine and one
 trainer rank per node) is placed node by node, runs the tiny model end to end with the same result as on one
 node, and a node agent killed, or a node lost mid-run, fails the run naming that node and leaves nothing of the
-run behind. A cluster without a planned node, or without its slots, fails before anything starts.
+run behind. A cluster without a planned node, or without its devices, fails before anything starts.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from miles_runner.config.compose import compose
 from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.errors import ComponentFailure
-from miles_runner.engine.router import list_workers
 from miles_runner.executors.ray import ClusterNodesError, NodeLostError, RayExecutor
 from miles_runner.loops.run import run_plan
 from miles_runner.plan.compile import compile_plan
@@ -36,6 +35,7 @@ from miles_runner.plan.model import Launch, Plan, server_launches
 from miles_runner.plan.record import write_run_record
 from miles_runner.procs.ports import free_port, free_port_block, port_is_free
 from miles_runner.procs.ports import free_ports as distinct_ports
+from miles_runner.sglang_client.router import list_workers
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,8 @@ pytestmark = pytest.mark.slow
 SHAPE = ["+recipe=tiny_lora_agentic_router", "topology.actor_num_gpus_per_node=1", "rollout.top_k=1",
          "rollout.n_samples_per_prompt=1", "algorithm.advantage_estimator=reinforce_plus_plus",
          "rollout.rollout_batch_size=8", "trainer.parallel.micro_batch_size=4", "logger=none"]  # fmt: skip
-TWO_NODES = ["cluster.nodes=2", "cluster.cpu_slots_per_node=1", "executor=ray"]
-ONE_NODE = ["cluster.nodes=1", "cluster.cpu_slots_per_node=2", "topology.actor_num_gpus_per_node=2"]
+TWO_NODES = ["cluster.nodes=2", "cluster.cpu_devices_per_node=1", "executor=ray"]
+ONE_NODE = ["cluster.nodes=1", "cluster.cpu_devices_per_node=2", "topology.actor_num_gpus_per_node=2"]
 
 
 def free_ports() -> list[str]:
@@ -211,14 +211,14 @@ def sleeper() -> Launch:
 
 
 @pytest.mark.timeout(180)
-def test_a_cluster_without_a_planned_node_or_its_slots_fails_fast_naming_what_is_missing(tmp_path, cluster):
-    three_nodes = plan_of("cluster.nodes=3", "cluster.cpu_slots_per_node=1", "executor=ray",
+def test_a_cluster_without_a_planned_node_or_its_devices_fails_fast_naming_what_is_missing(tmp_path, cluster):
+    three_nodes = plan_of("cluster.nodes=3", "cluster.cpu_devices_per_node=1", "executor=ray",
                           "topology.actor_num_nodes=2")  # fmt: skip
-    two_slots_each = plan_of(*TWO_NODES, "cluster.cpu_slots_per_node=2", "topology.actor_num_gpus_per_node=2")
+    two_devices_each = plan_of(*TWO_NODES, "cluster.cpu_devices_per_node=2", "topology.actor_num_gpus_per_node=2")
     with pytest.raises(ClusterNodesError) as missing:
         RayExecutor(three_nodes, tmp_path, startup_timeout_s=30).start()
     with pytest.raises(ClusterNodesError) as too_small:  # the nodes are there, with one CPU each
-        RayExecutor(two_slots_each, tmp_path, startup_timeout_s=5).start()
+        RayExecutor(two_devices_each, tmp_path, startup_timeout_s=5).start()
     assert missing.value.component == "ray cluster"
     assert "node 2 (miles_node_2)" in missing.value.reason and "node 1" not in missing.value.reason
     assert "trainer+engines placement group" in too_small.value.reason and "within 5 s" in too_small.value.reason

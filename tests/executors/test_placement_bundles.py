@@ -5,9 +5,9 @@ from miles_runner.executors.ray import placement_bundles
 from miles_runner.plan.compile import compile_design, compile_plan
 
 
-def test_colocated_trainer_and_engines_share_one_bundle_per_slot_pinned_to_its_node():
+def test_colocated_trainer_and_engines_share_one_bundle_per_device_pinned_to_its_node():
     plan = compile_plan(compose(["+recipe=tiny_lora_agentic_router", "cluster.nodes=2", "executor=ray",
-                                 "cluster.cpu_slots_per_node=2"]))  # fmt: skip
+                                 "cluster.cpu_devices_per_node=2"]))  # fmt: skip
     assert placement_bundles(plan) == {
         "trainer+engines": [{"CPU": 1, "miles_node_0": 1}, {"CPU": 1, "miles_node_0": 1},
                             {"CPU": 1, "miles_node_1": 1}, {"CPU": 1, "miles_node_1": 1}],
@@ -15,7 +15,7 @@ def test_colocated_trainer_and_engines_share_one_bundle_per_slot_pinned_to_its_n
 
 
 def test_disaggregated_roles_get_their_own_bundles_on_the_nodes_the_plan_gives_them():
-    # The trainer on node 0 (8 GPUs), the engines on the other three nodes: GPU bundles, one per slot.
+    # The trainer on node 0 (8 GPUs), the engines on the other three nodes: GPU bundles, one per device.
     plan = compile_design(compose(["+recipe=qwen3_30b_a3b_r3_session", "cluster=h200_4x8", "topology=disaggregated",
                                    "topology.actor_num_nodes=1", "engine.build=miles_fork"]))  # fmt: skip
     bundles = placement_bundles(plan)
@@ -24,7 +24,7 @@ def test_disaggregated_roles_get_their_own_bundles_on_the_nodes_the_plan_gives_t
     assert bundles["engines"] == [{"GPU": 1, f"miles_node_{node}": 1} for node in (1, 2, 3) for _ in range(8)]
 
 
-def test_an_engine_wider_than_a_node_reserves_its_slots_on_every_node_it_spans():
+def test_an_engine_wider_than_a_node_reserves_its_devices_on_every_node_it_spans():
     # The trainer on nodes 0-1, one engine of TP 16 over nodes 2 and 3 (node rank 0 and 1).
     plan = compile_design(compose(["+recipe=qwen3_30b_a3b_r3_session", "cluster=h200_4x8", "topology=disaggregated",
                                    "topology.actor_num_nodes=2", "engine.tp_size=16",

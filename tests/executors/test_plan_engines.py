@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.executors.controller import controller_process
+from miles_runner.executors.controller_service import controller_process
 from miles_runner.executors.local import Deployment, LocalExecutor
 from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.plan.model import Plan
@@ -44,7 +44,7 @@ def asleep(launch):
 def test_a_disaggregated_plan_starts_one_engine_per_rollout_gpu(tmp_path, rollout_gpus):
     plan = plan_of(
         "topology=disaggregated",
-        "cluster.cpu_slots_per_node=4",
+        "cluster.cpu_devices_per_node=4",
         "topology.actor_num_gpus_per_node=1",
         f"topology.rollout_num_gpus={rollout_gpus}",
         f"engine.base_port={free_port_block(3)}",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from miles_runner.config.compose import compose
-from miles_runner.executors.controller import controller_process
+from miles_runner.executors.controller_service import controller_process
 from miles_runner.executors.local import LocalExecutor
 from miles_runner.executors.ray import RayExecutor
 from miles_runner.plan.compile import compile_plan

@@ -137,10 +137,10 @@ def test_sigkill_mid_run_resumes_with_no_step_lost_or_repeated(tmp_path):
     assert [r["weight_version"] for r in records(run_dir)] == [1, 2, 3, 4]
 
 
-def test_async_driver_overlaps_generation_and_trains_one_version_stale(tmp_path):
+def test_async_schedule_overlaps_generation_and_trains_one_version_stale(tmp_path):
     outputs = tmp_path / "outputs"
     args = run_args(outputs, 3, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
-                    "rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
+                    "rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
     proc = miles_run(*args, cwd=tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
@@ -149,7 +149,7 @@ def test_async_driver_overlaps_generation_and_trains_one_version_stale(tmp_path)
     assert [r["train/weight_staleness"] for r in steps] == [0, 1, 1]
     assert [r["rollout/weight_version"] for r in steps] == [0, 0, 1]
     assert [r["weight_version"] for r in steps] == [1, 2, 3]
-    assert all(r["verify/logprob_gap"] < 1e-4 for r in steps)  # every push probed on the engine (lora/probe.py)
+    assert all(r["verify/logprob_gap"] < 1e-4 for r in steps)  # every push probed on the engine (weight_sync/probe.py)
 
 
 def test_a_run_on_two_trainer_ranks_trains_and_saves_its_adapter(tmp_path):

@@ -4,8 +4,8 @@ Both runs are the default recipe through the real engine, session server and Ope
 sets the named fault switch that keeps the engines on the initial (identity) adapter, so its rollouts never
 use what was trained: if the first run's gain came from anywhere else, the second would show it too. That
 control run turns push verification off explicitly (weight_sync.verify=false): with it on, as by default, the
-same fault stops the run at the first push after step 0, whose probe differs from the trainer (lora/probe.py),
-before the trainer trains further: under the sync and the async driver alike.
+same fault stops the run at the first push after step 0, whose probe differs from the trainer (weight_sync/probe.py),
+before the trainer trains further: under the sync and the async schedule alike.
 
 The learning run takes the recipe's first 35 steps (recipe_runs.LEARNING_STEPS). The control runs 20: its rollouts
 come from the same frozen adapter at every step, so its reward is one distribution throughout, and `gain` (the mean of
@@ -48,7 +48,7 @@ def test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its
     assert_stopped_at_the_push_after_step_0(tmp_path)
 
 
-def test_a_frozen_adapter_stops_the_async_driver_at_its_first_push_after_step_0(tmp_path):
+def test_a_frozen_adapter_stops_the_async_schedule_at_its_first_push_after_step_0(tmp_path):
     assert_stopped_at_the_push_after_step_0(tmp_path, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
-                                            "rollout.driver=async", "rollout.max_weight_staleness=1",
+                                            "rollout.schedule=async", "rollout.max_weight_staleness=1",
                                             "algorithm.use_tis=true")  # fmt: skip

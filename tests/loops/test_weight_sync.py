@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from miles_runner.engine.client import EngineClient
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
+from miles_runner.sglang_client.client import EngineClient
 
 from .recipe_runs import recorded_run, records
 
@@ -44,7 +44,7 @@ class ObservedLoop(SingleAdapterLoop):
         self.final_probe: dict[str, Any] = {}
 
     async def _rollout(self, ctx, prompts):
-        rolled = await super()._rollout(ctx, prompts)  # the sync driver: one batch per step, in order
+        rolled = await super()._rollout(ctx, prompts)  # the sync schedule: one batch per step, in order
         self.versions_at[self.next_step] = await engine_versions(self.plan)
         self.next_step += 1
         return rolled

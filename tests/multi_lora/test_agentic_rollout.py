@@ -16,8 +16,6 @@ import uvicorn
 from miles_runner.config.compose import compose
 from miles_runner.core.adapters import rid_prefix
 from miles_runner.core.errors import PlanError
-from miles_runner.engine.client import EngineClient
-from miles_runner.engine.workers import WorkerPool
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.config import resolve_adapter_config
@@ -34,6 +32,8 @@ from miles_runner.session.config import AdapterSlot, SessionServerConfig
 from miles_runner.session.core import SessionCore
 from miles_runner.session.samples import SampleStatus
 from miles_runner.session.tito import TitoTokenizer
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.sglang_client.engine_pool import EnginePool
 
 from .helpers import LIMITS, defaults, eventually, run, serve, snapshot
 
@@ -97,15 +97,15 @@ async def engine(engine_url) -> AsyncIterator[EngineClient]:
 
 
 @pytest.fixture
-async def workers(engine_url) -> AsyncIterator[WorkerPool]:
-    async with WorkerPool.for_deployment(None, [engine_url], timeout_s=120) as pool:
+async def engines(engine_url) -> AsyncIterator[EnginePool]:
+    async with EnginePool.for_deployment(None, [engine_url], timeout_s=120) as pool:
         yield pool
 
 
-def context(plan: Plan, workers: WorkerPool, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
+def context(plan: Plan, engines: EnginePool, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
     plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, **rollout))
     return RolloutContext(
-        plan=plan, workers=workers, tokenizer=tito, task=make_task("count", plan.seed),
+        plan=plan, engines=engines, tokenizer=tito, task=make_task("count", plan.seed),
         reward=get_reward("exact_match"), agent=get_agent(plan.rollout.agent), session_url=session_url, lora_name=None,
     )  # fmt: skip
 
@@ -130,10 +130,10 @@ async def play_group(rollout: MultiLoRARollout, adapter: AdapterRun):
 
 
 async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot_rid_and_version(
-    session_server, workers, plan, tito
+    session_server, engines, plan, tito
 ):
     adapter = retry_adapter(slot=1)
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
                                seed=0)  # fmt: skip
     samples = await play_group(rollout, adapter)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_1", 3)] * 2
@@ -147,19 +147,19 @@ async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot
     assert not session_server.core.sessions  # every session is deleted after its samples were collected
 
 
-async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, workers, plan, tito):
+async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, engines, plan, tito):
     stamped = retry_adapter(slot=0, n=1)
     pushed = dataclasses.replace(stamped, version=5)  # the weights were pushed again after the group was taken
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
                                seed=0)  # fmt: skip
     await play_group(rollout, stamped)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_0", 5)]
     assert {body["extra_key"] for body in session_server.upstream} == {"retry:v5"}
 
 
-async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_session(session_server, workers, plan, tito):
+async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_session(session_server, engines, plan, tito):
     gone = retry_adapter()
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(snapshot), seed=0)
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(snapshot), seed=0)
     samples = await play_group(rollout, gone)
     assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
     assert session_server.created == [] and session_server.upstream == []
@@ -167,22 +167,22 @@ async def test_an_adapter_no_longer_sampleable_gets_aborted_samples_and_no_sessi
 
 
 async def test_a_name_registered_again_gets_no_session_for_the_old_registrations_group(
-    session_server, workers, plan, tito
+    session_server, engines, plan, tito
 ):
     old = retry_adapter()
     new = dataclasses.replace(old, registration_id="reg-again")
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(new)),
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(new)),
                                seed=0)  # fmt: skip
     samples = await play_group(rollout, old)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert session_server.created == []
 
 
-async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_server, workers, plan, tito):
+async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_server, engines, plan, tito):
     adapter = retry_adapter(n=1)
     current = {"snapshot": snapshot(adapter)}
     session_server.before_upstream = lambda: current.update(snapshot=RegistrySnapshot())  # retired as turn 1 goes
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito),
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito),
                                cache_of(lambda: current["snapshot"]), seed=0)  # fmt: skip
     [sample] = await play_group(rollout, adapter)
     assert sample.status is SampleStatus.ABORTED
@@ -191,10 +191,10 @@ async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_ser
 
 
 async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(
-    session_server, engine, workers, plan, tito
+    session_server, engine, engines, plan, tito
 ):
     adapter = retry_adapter()
-    ctx = context(plan, workers, session_server.url, tito, max_response_len=LONG)
+    ctx = context(plan, engines, session_server.url, tito, max_response_len=LONG)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     group = asyncio.create_task(play_group(rollout, adapter))
     await eventually(lambda: len(session_server.upstream) == 2, timeout_s=60)
@@ -208,21 +208,21 @@ async def test_a_turn_aborted_by_the_adapter_prefix_ends_its_episode_aborted(
     assert not session_server.core.sessions
 
 
-async def test_an_unreachable_session_server_costs_the_group_not_the_run(workers, plan, tito):
+async def test_an_unreachable_session_server_costs_the_group_not_the_run(engines, plan, tito):
     adapter = retry_adapter()
-    ctx = context(plan, workers, f"http://{LOOPBACK}:{free_port()}", tito)
+    ctx = context(plan, engines, f"http://{LOOPBACK}:{free_port()}", tito)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     samples = await play_group(rollout, adapter)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert rollout.aborted["retry"] == 2
 
 
-async def test_a_session_server_that_is_shutting_down_costs_the_group_not_the_run(session_server, workers, plan, tito):
+async def test_a_session_server_that_is_shutting_down_costs_the_group_not_the_run(session_server, engines, plan, tito):
     """Its POST /sessions answers 503 (a SessionCallError with that status): read as a session server out of reach,
     as a refused connection is, not as an error of the run."""
     await session_server.core.shutdown()
     adapter = retry_adapter()
-    rollout = MultiLoRARollout(context(plan, workers, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
+    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
                                seed=0)  # fmt: skip
     samples = await play_group(rollout, adapter)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
@@ -241,20 +241,20 @@ async def test_a_session_call_the_server_refuses_raises_naming_the_call_and_its_
 
 @pytest.mark.parametrize("through_sessions", [True, False], ids=["session", "native"])
 async def test_a_slot_the_engine_has_not_loaded_costs_the_group_not_the_run(
-    session_server, workers, plan, tito, through_sessions
+    session_server, engines, plan, tito, through_sessions
 ):
     """An engine that restarted holds no adapter until the driver pushes them again: SGLang answers 400."""
     adapter = retry_adapter(slot=3)  # the engine holds slots 0 and 1 only
-    ctx = context(plan, workers, session_server.url if through_sessions else None, tito)
+    ctx = context(plan, engines, session_server.url if through_sessions else None, tito)
     rollout = MultiLoRARollout(ctx, cache_of(lambda: snapshot(adapter)), seed=0)
     samples = await play_group(rollout, adapter)
     assert [(s.status, s.tokens) for s in samples] == [(SampleStatus.ABORTED, [])] * 2
     assert rollout.aborted["retry"] == 2 and rollout.posted["retry"] == 2
 
 
-async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(session_server, workers, plan, tito):
+async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(session_server, engines, plan, tito):
     plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=2))
-    ctx = dataclasses.replace(context(plan, workers, session_server.url, tito), task=make_task("count_retry", 0))
+    ctx = dataclasses.replace(context(plan, engines, session_server.url, tito), task=make_task("count_retry", 0))
     samples = await rollout_agentic(ctx, [ctx.task.prompt(0)])
     assert [s.metadata["turns"] for s in samples] == [2, 2]
     assert session_server.created == [None, None]  # unbound: the server's own adapter (if any) serves them
@@ -263,7 +263,7 @@ async def test_the_single_adapter_agentic_rollout_plays_n_episodes_per_prompt(se
 
 
 async def test_an_episode_that_fails_with_its_session_server_gone_raises_its_own_error(
-    engine_url, model_dir, workers, plan, tito
+    engine_url, model_dir, engines, plan, tito
 ):
     """A stop (Slurm's SIGTERM) takes the session server away mid-episode: the episode's session delete then fails
     too, and the episode's own error, not that one, is what the rollout raises."""
@@ -278,18 +278,18 @@ async def test_an_episode_that_fails_with_its_session_server_gone_raises_its_own
         raise LookupError("the episode's own failure")
 
     plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=1))
-    ctx = dataclasses.replace(context(plan, workers, f"http://{LOOPBACK}:{server.config.port}", tito),
+    ctx = dataclasses.replace(context(plan, engines, f"http://{LOOPBACK}:{server.config.port}", tito),
                               agent=agent_losing_its_server)  # fmt: skip
     with pytest.raises(LookupError, match="the episode's own failure"):
         await rollout_agentic(ctx, [ctx.task.prompt(0)])
 
 
 async def test_rollouts_given_the_runs_session_clients_leave_them_open_for_the_next(
-    session_server, workers, plan, tito
+    session_server, engines, plan, tito
 ):
     """The single-adapter loop opens one SessionClients for the run (one connection pool, reused by every step)."""
     plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=1))
-    ctx = dataclasses.replace(context(plan, workers, session_server.url, tito), task=make_task("count_retry", 0))
+    ctx = dataclasses.replace(context(plan, engines, session_server.url, tito), task=make_task("count_retry", 0))
     async with SessionClients(session_server.url) as clients:
         first = await rollout_agentic(ctx, [ctx.task.prompt(0)], clients)
         assert not clients.http.is_closed

@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from miles_runner.engine.auth import install_auth
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.http_server import create_app
 from miles_runner.multi_lora.registry import NoFreeSlotError, UnknownAdapterError
 from miles_runner.procs.ports import free_port
+from miles_runner.sglang_client.auth import install_auth
 
 from .helpers import LIMITS, abort_recorder, defaults, serve
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from miles_runner.engine.client import EngineClient
-from miles_runner.engine.workers import fixed_workers
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.producer import GroupProducer, request_fields
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.session.samples import STATUS_OF_FINISH, Sample, SampleStatus
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.sglang_client.engine_pool import fixed_engines
 
 from .helpers import LIMITS, defaults, eventually, sample
 
@@ -42,7 +42,7 @@ def engine_generate_group(
 
 
 async def test_retiring_aborts_its_in_flight_requests_and_spares_the_other_adapter(engine_url, tmp_path):
-    controller = MultiLoRAController(defaults(str(tmp_path)), LIMITS, fixed_workers([engine_url]))
+    controller = MultiLoRAController(defaults(str(tmp_path)), LIMITS, fixed_engines([engine_url]))
     for name in ("slow", "fast"):
         controller.register_adapter(name, {})
     controller.record_weight_update(["slow", "fast"])

@@ -19,13 +19,13 @@ from miles_runner.loops.multi_lora import MultiLoRALoop
 from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.records import make_tracker
 from miles_runner.loops.multi_lora.recovery import ENGINE_DEATH_WAIT_S, EngineRecovery
-from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.http_server import create_app
 from miles_runner.multi_lora.settings import settings_from_plan
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
+from miles_runner.weight_sync.verify import SyncVerificationError
 
 from .helpers import group, run, serve, snapshot
 
@@ -94,7 +94,7 @@ async def test_service_mode_sees_a_new_adapter_only_at_its_next_poll(tmp_path):
 def collecting_loop(plan: Plan, run_dir: Path) -> MultiLoRALoop:
     """The plan's loop with what its collect step reads: buffers, a tracker and the iteration."""
     loop = MultiLoRALoop(plan, run_dir)
-    loop.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.sync.max_weight_staleness)
+    loop.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.rollout.max_weight_staleness)
     loop.tracker = make_tracker(plan, run_dir, 0)
     loop.iteration = 0
     return loop

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.engine.workers import fixed_workers
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache, in_process
 from miles_runner.multi_lora.collect import collect_batch
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.multi_lora.producer import GroupProducer
+from miles_runner.sglang_client.engine_pool import fixed_engines
 
 from .helpers import LIMITS, DeterministicGenerator, defaults, eventually
 
@@ -41,7 +41,7 @@ async def rollout(
     abort_all: bool = False,
 ):
     """A producer over a live controller. `hold` ("before_post"/"after_post") starts with requests held there."""
-    controller = MultiLoRAController(defaults(str(tmp_path)), replace(LIMITS, max_slots=4), fixed_workers([]))
+    controller = MultiLoRAController(defaults(str(tmp_path)), replace(LIMITS, max_slots=4), fixed_engines([]))
     for name in active:
         controller.register_adapter(name, {})
     controller.record_weight_update(active)

@@ -1,4 +1,4 @@
-"""The tiny_multi_lora recipe end to end on CPU (controller service, embedded engine, multi-adapter trainer):
+"""The tiny_multi_lora recipe end to end on CPU (controller service, embedded engine, multi-LoRA trainer):
 its three adapters train at once, each on its own task, and each one's reward rises. A fourth, `victim`, is
 retired over HTTP (DELETE) mid-run while a request of it is in flight, then its name is registered again (POST)
 for a new tenant. Asserted from the trained groups' stamps (adapter, slot, slot version, registration id)

@@ -1,4 +1,4 @@
-"""The push probe in a multi-LoRA run (lora/probe.py): every adapter push is probed on the engine against the
+"""The push probe in a multi-LoRA run (weight_sync/probe.py): every adapter push is probed on the engine against the
 trainer's slot, and under the fault switch that re-pushes each adapter's first weights the run stops with exit 3
 at that adapter's first push after it stepped, before the trainer trains again."""
 

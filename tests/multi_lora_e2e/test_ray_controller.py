@@ -8,7 +8,7 @@ import os
 import httpx
 import pytest
 
-from miles_runner.executors.controller import CONTROLLER_ACTOR, NAMESPACE, RayControllerService
+from miles_runner.executors.controller_service import CONTROLLER_ACTOR, NAMESPACE, RayControllerService
 from miles_runner.plan.record import read_plan
 from miles_runner.procs.ports import port_is_free
 

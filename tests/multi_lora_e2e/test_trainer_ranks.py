@@ -1,5 +1,5 @@
 """A multi-LoRA run with two trainer ranks (the driver is rank 0, a follower process rank 1): data parallel
-multi-adapter training end to end, each adapter to its num_step, with DP-split batches (spec §4.6)."""
+multi-LoRA training end to end, each adapter to its num_step, with DP-split batches (spec §4.6)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ STEPS = 3
 
 def test_a_multi_lora_run_trains_on_two_trainer_ranks(tmp_path):
     run_dir = plan_run(
-        tmp_path / "outputs", RUNS, "cluster.cpu_slots_per_node=3", "topology.actor_num_gpus_per_node=2",
+        tmp_path / "outputs", RUNS, "cluster.cpu_devices_per_node=3", "topology.actor_num_gpus_per_node=2",
         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", f"algorithm.num_steps={STEPS}",
     )  # fmt: skip
     assert read_plan(run_dir / "plan.yaml").trainer.parallel.dp == 2

@@ -160,13 +160,13 @@ def test_train_only_adapter_is_not_loaded_on_engines(plan):
     ],
     ids=["cpu-colocated", "gpu-colocated", "cpu-disaggregated", "gpu-disaggregated", "full-weights-p2p"],
 )  # fmt: skip
-def test_weight_sync_method_follows_topology(overrides, method, plan):
-    assert plan(overrides).sync.method == method
+def test_weight_sync_transfer_mode_follows_topology(overrides, method, plan):
+    assert plan(overrides).weight_sync.transfer_mode == method
 
 
 def test_colocated_sync_ignores_the_transfer_mode():
     cfg = compose([*TINY, "weight_sync.transfer_mode=p2p"]).config  # rejected by rules; the method is still tensor
-    assert derive(cfg).sync_method == "tensor"
+    assert derive(cfg).transfer_mode == "tensor"
 
 
 # ---- router policy ----

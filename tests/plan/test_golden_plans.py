@@ -74,7 +74,7 @@ def test_the_glm52_recipe_uses_the_spec_figures(recipe_config):
     assert [(a.rank, a.alpha) for a in plan.adapters] == [(16, 32)]
     assert plan.trainer.lora_mode == "bridge" and plan.topology == "colocated"
     assert plan.session and plan.session.lora_name == "miles_lora" and not plan.session.use_addition_r3
-    assert [e.tp for e in plan.engines] == [16, 16]
+    assert [e.tp_size for e in plan.engines] == [16, 16]
     assert "--enable-return-routed-experts" in plan.engines[0].launch.argv
 
 
@@ -87,7 +87,7 @@ def test_the_qwen3_session_recipe_derives_addition_r3(recipe_config):
 def test_multi_lora_math_has_three_adapters_in_slots(recipe_config):
     plan = compile_design(recipe_config("multi_lora_math"))
     assert [a.lora_name for a in plan.adapters] == ["__miles_slot_0", "__miles_slot_1", "__miles_slot_2"]
-    assert plan.topology == "disaggregated" and plan.sync.method == "broadcast"
+    assert plan.topology == "disaggregated" and plan.weight_sync.transfer_mode == "broadcast"
     assert "--max-loras-per-batch" in plan.engines[0].launch.argv
 
 

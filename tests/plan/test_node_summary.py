@@ -22,7 +22,7 @@ def test_each_node_row_names_the_engine_node_ranks_it_runs():
 
 def test_an_engine_within_a_node_keeps_its_plain_name():
     plan = compile_design(compose(["+recipe=tiny_lora_agentic_router", "cluster.nodes=2", "executor=ray",
-                                   "cluster.cpu_slots_per_node=1", "topology.actor_num_gpus_per_node=1"]))  # fmt: skip
+                                   "cluster.cpu_devices_per_node=1", "topology.actor_num_gpus_per_node=1"]))  # fmt: skip
     rows = node_lines(plan)
     assert rows[0].startswith("driver (trainer rank 0), engine0, router, session;") and "engine1" in rows[1]
     assert "node rank" not in summarize(plan, "plan.yaml")

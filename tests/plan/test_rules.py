@@ -35,32 +35,32 @@ class RuleCase:
         return [*self.base_overrides, *self.good_overrides]
 
 
-# Bases: recipes, and small CPU shapes built on the default config (cpu cluster of 2 slots, tiny MoE, fsdp+peft).
+# Bases: recipes, and small CPU shapes built on the default config (cpu cluster of 2 devices, tiny MoE, fsdp+peft).
 CPU: tuple[str, ...] = ()
 TINY = ("+recipe=tiny_lora_agentic",)  # session v1, in_place, colocated, one adapter
 TINY_MULTI = ("+recipe=tiny_multi_lora",)  # three adapters, disaggregated 1 + 1 slot
 QWEN05 = ("+recipe=qwen25_05b_lora",)  # megatron + bridge, one GPU, sglang
 QWEN30 = ("+recipe=qwen3_30b_a3b_r3_session",)  # 8 GPUs colocated, TP 2, EP 8, engines TP 4
 GLM = ("+recipe=glm52_lora_agentic",)  # 4 x 8 H200, ray
-# Two CPU nodes of one slot each (ray), colocated: one embedded engine of TP 1 per node.
-TWO_CPU_NODES = (*TINY, "executor=ray", "cluster.nodes=2", "cluster.cpu_slots_per_node=1",
+# Two CPU nodes of one device each (ray), colocated: one embedded engine of TP 1 per node.
+TWO_CPU_NODES = (*TINY, "executor=ray", "cluster.nodes=2", "cluster.cpu_devices_per_node=1",
                  "topology.actor_num_gpus_per_node=1")
 MATH = ("+recipe=multi_lora_math",)  # megatron multi-LoRA, 4 train + 4 rollout GPUs, TP 2 (DP 2)
 FULL_WEIGHTS = ("adapters=none", "lora_mode=none")
-CPU_DISAGG = ("topology=disaggregated", "topology.actor_num_gpus_per_node=1")  # 1 trainer + 1 engine slot
-ASYNC = (*CPU_DISAGG, "rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
+CPU_DISAGG = ("topology=disaggregated", "topology.actor_num_gpus_per_node=1")  # 1 trainer + 1 engine device
+ASYNC = (*CPU_DISAGG, "rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
 FULLY_ASYNC = (*ASYNC, "rollout.fully_async=true")
-MULTI_ASYNC = (*TINY_MULTI, "rollout.driver=async", "algorithm.use_tis=true")
+MULTI_ASYNC = (*TINY_MULTI, "rollout.schedule=async", "algorithm.use_tis=true")
 RAW = ("lora_mode=raw",)  # the project's own LoRA on megatron-core (qwen2, qwen3, qwen3_moe)
-MEGATRON_CPU = ("trainer=megatron", *RAW)  # the Megatron trainer on the default CPU shape (tiny MoE, 2 slots)
+MEGATRON_CPU = ("trainer=megatron", *RAW)  # the Megatron trainer on the default CPU shape (tiny MoE, 2 devices)
 # Disaggregated LoRA sync broadcasts the adapter: a route only the sglang-miles fork serves.
 QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1",
                  "engine.build=miles_fork")  # fmt: skip
 # A trainer on part of node 0, so that the engines start mid-node (8-GPU nodes).
 HALF_NODE_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=4", "trainer.parallel.ep=4",
                      "topology.rollout_num_gpus=24")
-TWO_SLOT_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=2", "trainer.parallel.ep=2",
-                    "topology.rollout_num_gpus=8")  # engines of TP 4: 4 slots of node 0, then 2 + 2
+TWO_DEVICE_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=2", "trainer.parallel.ep=2",
+                    "topology.rollout_num_gpus=8")  # engines of TP 4: 4 devices of node 0, then 2 + 2
 INTERVAL, STALE = "weight_sync.update_weights_interval", "rollout.max_weight_staleness"
 ESTIMATOR = "algorithm.advantage_estimator"
 # tiny_multi_lora's adapters, the first one replaced (a whole-list override: its items set only a few keys).
@@ -70,7 +70,7 @@ TINY_RUNS = "adapters.runs=[{first}, {{name: reverse, task: reverse}}, {{name: c
 CASES = [
     # ---- preconditions (checked alone, before the rules that divide by these sizes) ----
     RuleCase("sizes-positive", CPU, ("trainer.parallel.tp=0",), ("trainer.parallel.tp=1",)),
-    RuleCase("sizes-positive", CPU, ("cluster.cpu_slots_per_node=0",), ("cluster.cpu_slots_per_node=1",), "cpu-slots"),
+    RuleCase("sizes-positive", CPU, ("cluster.cpu_devices_per_node=0",), ("cluster.cpu_devices_per_node=1",), "cpu-devices"),
     RuleCase("sizes-positive", CPU, ("executor.engine_restarts=-1",), ("executor.engine_restarts=2",), "restarts"),
     # ---- session server and pause mode ----
     RuleCase(
@@ -113,7 +113,7 @@ CASES = [
     ),
     RuleCase(
         "fully-async-needs-async-driver", (*CPU_DISAGG, "rollout.fully_async=true"),
-        ("rollout.driver=sync",), ("rollout.driver=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true"),
+        ("rollout.schedule=sync",), ("rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true"),
     ),
     RuleCase("async-driver-needs-disaggregated", ASYNC, ("topology=colocated",), ("topology=disaggregated",)),
     RuleCase(
@@ -305,7 +305,7 @@ CASES = [
     RuleCase("tensor-parallel-divides-heads", (*QWEN05, "cluster=h100_1x8", "topology.actor_num_gpus_per_node=4"),
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",)),  # 14 heads
     RuleCase("tensor-parallel-divides-heads", (*MEGATRON_CPU, "topology.actor_num_gpus_per_node=4",
-                                               "cluster.cpu_slots_per_node=8"),
+                                               "cluster.cpu_devices_per_node=8"),
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
@@ -385,16 +385,16 @@ CASES = [
         ("trainer.parallel.ep=2",), ("trainer.parallel.ep=1",), "dense",
     ),
     RuleCase("engines-fit-rollout-gpus", QWEN30, ("engine.tp_size=3",), ("engine.tp_size=8",)),
-    # SGLang runs an engine over N nodes as TP / N ranks per node: each node must hold as many of its slots.
+    # SGLang runs an engine over N nodes as TP / N ranks per node: each node must hold as many of its devices.
     RuleCase(
         "engine-split-evenly-over-nodes", QWEN30_DISAGG,  # 8 trainer GPUs, 24 rollout GPUs over three nodes
-        ("engine.tp_size=12",), ("engine.tp_size=8",), "whole-nodes",  # 8 + 4 slots
+        ("engine.tp_size=12",), ("engine.tp_size=8",), "whole-nodes",  # 8 + 4 devices
     ),
     RuleCase(
         "engine-split-evenly-over-nodes", (*QWEN30_DISAGG, "topology.rollout_num_gpus=12"),  # one and a half nodes
         ("engine.tp_size=12",), ("engine.tp_size=4",), "part-node",
     ),
-    # Engines that start mid-node: TP 8 runs 4 + 4 slots (accepted), TP 6 would run 4 + 2.
+    # Engines that start mid-node: TP 8 runs 4 + 4 devices (accepted), TP 6 would run 4 + 2.
     RuleCase("engine-split-evenly-over-nodes", HALF_NODE_TRAINER, ("engine.tp_size=6",), ("engine.tp_size=8",),
              "mid-node"),
     # glm52's engines of TP 16 run 8 + 8 GPUs (the design plan); on 6 GPUs of each node one would run 6 + 6 + 4.
@@ -440,10 +440,10 @@ CASES = [
     RuleCase("ports-distinct", GLM, ("session.port=30013",), ("session.port=30014",), "node-rank-ports"),
     RuleCase("ports-distinct", GLM, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
              "dist-init-port"),
-    # engine1 of TWO_SLOT_TRAINER spans nodes 0 and 1 (2 + 2 slots) though TP 4 fits a node: rank 1 on 30013.
-    RuleCase("ports-distinct", TWO_SLOT_TRAINER, ("session.port=30013",), ("session.port=30014",),
+    # engine1 of TWO_DEVICE_TRAINER spans nodes 0 and 1 (2 + 2 devices) though TP 4 fits a node: rank 1 on 30013.
+    RuleCase("ports-distinct", TWO_DEVICE_TRAINER, ("session.port=30013",), ("session.port=30014",),
              "straddling-engine"),
-    RuleCase("ports-distinct", TWO_SLOT_TRAINER, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
+    RuleCase("ports-distinct", TWO_DEVICE_TRAINER, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
              "straddling-engine-dist-init"),  # engine1 meets on 30011 (and 6 more), where engine1 serves
     # ---- settings one backend honours; what this release has not built ----
     RuleCase("full-weight-training-not-built", CPU, FULL_WEIGHTS, ()),

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 
 from miles_runner.core.errors import ComponentFailure
-from miles_runner.engine.client import EngineClient
 from miles_runner.loops.checkpoint import checkpoint_dir, completed_steps, load_latest
 from miles_runner.loops.engine_restarts import ENGINE_EVENTS_FILE
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
 from miles_runner.procs.ports import port_is_free
+from miles_runner.sglang_client.client import EngineClient
 from tests.loops.recipe_runs import recorded_run, records
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]

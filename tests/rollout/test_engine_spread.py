@@ -1,4 +1,4 @@
-"""Every engine a plan starts serves rollouts, and routing replay (R3) survives a router (engine/workers.py).
+"""Every engine a plan starts serves rollouts, and routing replay (R3) survives a router (sglang_client/engine_pool.py).
 
 Two embedded engines with R3 on, told apart by `--weight-version`: every result reports the version of the
 engine that generated it, so which engine served a sample is read from the engine's own answer. Behind the
@@ -17,8 +17,6 @@ import httpx
 import pytest
 
 from miles_runner.config.compose import compose
-from miles_runner.engine.routed_experts import decode_routed_experts
-from miles_runner.engine.workers import WorkerPool
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.procs.ports import LOOPBACK, free_port
@@ -29,6 +27,8 @@ from miles_runner.session.app import create_app
 from miles_runner.session.config import read_num_layers
 from miles_runner.session.samples import Sample
 from miles_runner.session.server import build_parser, config_from_args
+from miles_runner.sglang_client.engine_pool import EnginePool
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
 from miles_testkit.launch import engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 
@@ -80,7 +80,7 @@ def single_turn(plan: Plan, router_url: str | None, engine_urls: list[str]) -> l
     """The runner's single-turn rollout of PROMPTS prompts, as the loops build it; the samples per group."""
 
     async def run() -> list[Sample]:
-        async with WorkerPool.for_deployment(router_url, engine_urls, timeout_s=300) as workers:
+        async with EnginePool.for_deployment(router_url, engine_urls, timeout_s=300) as workers:
             ctx = dataclasses.replace(RolloutContext.from_plan(plan, workers, None), lora_name=None)
             return await rollout_single_turn(ctx, [ctx.task.prompt(i) for i in range(PROMPTS)])
 

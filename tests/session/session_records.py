@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from miles_runner.engine.routed_experts import encode_routed_experts
 from miles_runner.session.records import SessionRecord
+from miles_runner.sglang_client.routed_experts import encode_routed_experts
 
 NUM_LAYERS = 2
 TOPK = 2

@@ -17,13 +17,13 @@ import pytest
 from fastapi import FastAPI
 from servers import ADAPTER_NAME, chat, get_session, make_test_adapter, new_session
 
-from miles_runner.engine.routed_experts import decode_routed_experts
-from miles_runner.engine.router import STICKY_POLICY
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ProcessGroup
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.config import read_num_layers
 from miles_runner.session.server import build_parser, config_from_args
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
+from miles_runner.sglang_client.router import STICKY_POLICY
 from miles_testkit.launch import engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 

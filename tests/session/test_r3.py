@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from session_records import NUM_LAYERS, incremental_records, make_record, routing_rows
 
-from miles_runner.engine.routed_experts import encode_routed_experts
 from miles_runner.session.errors import TokenizationError
 from miles_runner.session.r3 import addition_r3_start_len, assemble_incremental_r3
+from miles_runner.sglang_client.routed_experts import encode_routed_experts
 
 # Two turns: prompt 4 + completion 3 (7 tokens), then the 7 + observation 2 + completion 3 (12 tokens).
 TURN_1 = ([1, 2, 3, 4], [5, 6, 7])

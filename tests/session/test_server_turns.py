@@ -7,9 +7,9 @@ import httpx
 import pytest
 from servers import STOP_TOKEN_IDS, chat, get_session, new_session, openai_client
 
-from miles_runner.engine.routed_experts import decode_routed_experts
 from miles_runner.session.codec import decode_samples
 from miles_runner.session.config import read_num_layers
+from miles_runner.sglang_client.routed_experts import decode_routed_experts
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_design, compile_plan
+from miles_runner.plan.devices import DIST_INIT_EXTRA_PORTS
 from miles_runner.plan.model import plan_ports
 from miles_runner.plan.record import write_run_record
-from miles_runner.plan.slots import DIST_INIT_EXTRA_PORTS
 from miles_runner.procs import ports
 from miles_runner.procs.ports import free_port_block
 from miles_runner.slurm import free_ports

@@ -165,7 +165,7 @@ def test_using_rollout_log_probs_requires_them(tiny_model_path):
 
 
 def test_an_adapter_moved_into_shared_memory_trains_there_as_it_would_have_in_place(tiny_model_path):
-    from miles_runner.engine.tensor_shm import SharedTensors, handle_segment_name, read_segment
+    from miles_runner.sglang_client.tensor_shm import SharedTensors, handle_segment_name, read_segment
 
     samples = group([GOOD, BAD], [1.0, 0.0])
     kept, moved = FSDPTrainer(tiny_model_path, make_settings()), FSDPTrainer(tiny_model_path, make_settings())

@@ -12,7 +12,7 @@ from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.session.samples import Sample
 from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
+from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
 
 from .test_fsdp import BAD, GOOD, group
 
@@ -34,10 +34,10 @@ def fsdp_trainer(model_path: str, *overrides: str) -> FSDPTrainer:
     return FSDPTrainer(model_path, TrainerSettings.from_plan(plan_of(*overrides)))
 
 
-def multi_trainer(model_path: str, *overrides: str) -> MultiAdapterTrainer:
-    """The multi-adapter trainer of a multi-LoRA plan, its first adapter loaded in slot 0."""
+def multi_trainer(model_path: str, *overrides: str) -> MultiLoRATrainer:
+    """The multi-LoRA trainer of a multi-LoRA plan, its first adapter loaded in slot 0."""
     plan = multi_plan_of(*overrides)
-    trainer = MultiAdapterTrainer(model_path, MultiAdapterSettings.from_plan(plan))
+    trainer = MultiLoRATrainer(model_path, MultiAdapterSettings.from_plan(plan))
     trainer.load_adapter(0, plan.adapters[0])
     return trainer
 

@@ -20,7 +20,7 @@ STEPS = 6
 def test_the_twin_plans_incremental_r3_replayed_by_the_trainer():
     plan = compile_plan(compose([f"+recipe={RECIPE}"]))
     assert plan.capabilities.use_routing_replay and plan.capabilities.use_addition_r3
-    assert plan.session.version == "v1" and plan.sync.pause_generation_mode == "in_place"
+    assert plan.session.version == "v1" and plan.weight_sync.pause_generation_mode == "in_place"
     assert "--enable-return-routed-experts" in plan.engines[0].launch.argv
     assert "--addition-r3" in plan.session.launch.argv
 

@@ -1,5 +1,5 @@
 """Two trainer ranks (this test process is rank 0, a follower process rank 1) give the same update as one
-process: the multi-adapter trainer sums each slot's gradients over the ranks' shares before its step, and the
+process: the multi-LoRA trainer sums each slot's gradients over the ranks' shares before its step, and the
 FSDP trainer shards with FSDP2; every call the driver makes is replayed on the follower."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from miles_runner.trainer.ranks import RankedTrainer, build_trainer, make_traine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TWO_RANKS = ("cluster.cpu_slots_per_node=3", "topology.actor_num_gpus_per_node=2")
+TWO_RANKS = ("cluster.cpu_devices_per_node=3", "topology.actor_num_gpus_per_node=2")
 
 
 def recorded_plan(tmp_path: Path, *overrides: str) -> tuple[Plan, Path]:
@@ -52,7 +52,7 @@ def in_slot(adapter: AdapterSpec, slot: int) -> AdapterSpec:
     return dataclasses.replace(adapter, lora_name=slot_lora_name(slot))
 
 
-def multi_adapter_steps(trainer, plan: Plan) -> dict[str, torch.Tensor]:
+def multi_lora_steps(trainer, plan: Plan) -> dict[str, torch.Tensor]:
     """Two slots; slot 0 steps after two train calls (gradients kept across them), slot 1 after one."""
     for slot, adapter in enumerate(plan.adapters[:2]):
         trainer.load_adapter(slot, in_slot(adapter, slot))
@@ -61,16 +61,16 @@ def multi_adapter_steps(trainer, plan: Plan) -> dict[str, torch.Tensor]:
     return {f"{slot}:{k}": v for slot in (0, 1) for k, v in trainer.adapter_state(slot).items()}
 
 
-def test_the_multi_adapter_trainer_on_two_ranks_matches_one_process(tmp_path):
+def test_the_multi_lora_trainer_on_two_ranks_matches_one_process(tmp_path):
     plan, run_dir = recorded_plan(tmp_path, "+recipe=tiny_multi_lora", *TWO_RANKS)
     assert plan.trainer.parallel.world_size == 2
     ranked = make_trainer(plan, run_dir)
     assert isinstance(ranked, RankedTrainer)
     try:
-        two = multi_adapter_steps(ranked, plan)
+        two = multi_lora_steps(ranked, plan)
     finally:
         ranked.close()
-    one = multi_adapter_steps(build_trainer(plan), plan)
+    one = multi_lora_steps(build_trainer(plan), plan)
     assert two.keys() == one.keys()
     for name, tensor in one.items():
         assert torch.allclose(two[name], tensor, atol=1e-5), name

@@ -23,7 +23,7 @@ from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.fsdp import FSDPTrainer
 from miles_runner.trainer.logprobs import pack_samples, token_log_probs
-from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
+from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
 from miles_runner.trainer.routing_replay import NO_ROW, ReplayStats, differs, replaying
 from miles_testkit.routing_gap import move_routers
 
@@ -60,18 +60,18 @@ def fsdp_trainer(path: str, replay: bool) -> FSDPTrainer:
     return FSDPTrainer(path, make_settings(routing_replay=replay, micro_batch_size=PROMPTS * PER_PROMPT))
 
 
-def multi_adapter_trainer(path: str, replay: bool) -> MultiAdapterTrainer:
+def multi_lora_trainer(path: str, replay: bool) -> MultiLoRATrainer:
     settings = MultiAdapterSettings(
         AlgorithmConfig(), OptimizerConfig(), micro_batch_size=PROMPTS * PER_PROMPT, routing_replay=replay
     )
-    trainer = MultiAdapterTrainer(path, settings)
+    trainer = MultiLoRATrainer(path, settings)
     spec = AdapterSpec("a", "__miles_slot_0", 4, 8.0, 0.0, ATTENTION, "count", "exact_match", 0.01, PROMPTS, PER_PROMPT)
     trainer.load_adapter(0, spec)
     return trainer
 
 
 def train(trainer, samples: list[Sample]) -> dict[str, float]:
-    if isinstance(trainer, MultiAdapterTrainer):
+    if isinstance(trainer, MultiLoRATrainer):
         for sample in samples:
             sample.metadata["slot"] = 0
         return trainer.train(samples, step_slots=[0])[0]
@@ -142,7 +142,7 @@ def test_unmoved_routers_choose_exactly_the_rollout_rows(rollout, tiny_model_pat
 # ---- replay ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_trainer", [fsdp_trainer, multi_adapter_trainer], ids=["fsdp", "multi_adapter"])
+@pytest.mark.parametrize("make_trainer", [fsdp_trainer, multi_lora_trainer], ids=["fsdp", "multi_lora"])
 def test_training_routes_every_token_as_the_rollout_did_after_the_routers_moved(rollout, tiny_model_path, make_trainer):
     replayed, own = make_trainer(tiny_model_path, replay=True), make_trainer(tiny_model_path, replay=False)
     move_routers(replayed.model, 0.1)
@@ -279,11 +279,11 @@ def test_bad_rows_are_an_error_naming_the_sample_and_row(rollout, tiny_model_pat
     assert all(torch.equal(v, before[k]) for k, v in trainer.adapter_state().items())  # nothing trained
 
 
-def test_the_multi_adapter_trainer_refuses_a_sample_without_rows(rollout, tiny_model_path):
+def test_the_multi_lora_trainer_refuses_a_sample_without_rows(rollout, tiny_model_path):
     samples = copies(rollout)
     samples[3].rollout_routed_experts = None
     with pytest.raises(ValueError, match=r"sample 3 \(prompt 1\) has no rollout_routed_experts"):
-        train(multi_adapter_trainer(tiny_model_path, replay=True), samples)
+        train(multi_lora_trainer(tiny_model_path, replay=True), samples)
 
 
 def test_replay_needs_a_moe_model():

@@ -18,7 +18,7 @@ from miles_runner.trainer.advantages import Estimator
 from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
 from miles_runner.trainer.lora_model import decoder_layers
 from miles_runner.trainer.micro_batches import first_fit, plan_micro_batches
-from miles_runner.trainer.multi_adapter import MultiAdapterSettings, MultiAdapterTrainer
+from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
 
 from .settings import make_settings
 
@@ -143,11 +143,11 @@ def test_the_kl_is_a_loss_term_for_grpo_and_a_reward_penalty_for_reinforce(tiny_
                                                                     abs=1e-6)  # fmt: skip
 
 
-def test_the_multi_adapter_trainer_uses_the_estimator_and_the_token_budget(tiny_model_path):
+def test_the_multi_lora_trainer_uses_the_estimator_and_the_token_budget(tiny_model_path):
     algorithm = replace(AlgorithmConfig(), advantage_estimator="reinforce_plus_plus_baseline")
     settings = MultiAdapterSettings(algorithm, OptimizerConfig(lr=0.05), micro_batch_size=4,
                                     max_tokens_per_micro_batch=9, recompute=True)  # fmt: skip
-    trainer = MultiAdapterTrainer(tiny_model_path, settings)
+    trainer = MultiLoRATrainer(tiny_model_path, settings)
     adapter = AdapterSpec("a", "__miles_slot_0", 4, 8.0, 0.0, ["q_proj", "v_proj"], "count", "exact_match", 0.05, 1, 2)
     trainer.load_adapter(0, adapter)
     calls = attention_inputs(trainer)

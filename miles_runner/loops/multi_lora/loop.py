@@ -8,9 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles_runner.engine.client import EngineClient, EngineError, EngineUnavailable
-from miles_runner.engine.workers import WorkerPool
-from miles_runner.executors.controller import controller_service
+from miles_runner.executors.controller_service import controller_service
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.multi_lora.checkpoints import AdapterCheckpoints
@@ -19,8 +17,6 @@ from miles_runner.loops.multi_lora.pushes import Pushes
 from miles_runner.loops.multi_lora.reconcile import Reconciler
 from miles_runner.loops.multi_lora.records import SlotMetrics, StepRecords, first_iteration, make_tracker, plot_adapters
 from miles_runner.loops.multi_lora.recovery import EngineRecovery
-from miles_runner.lora.probe import PushProbe, probe_token_ids
-from miles_runner.lora.sync import make_sync
 from miles_runner.multi_lora.buffers import AdapterBuffers
 from miles_runner.multi_lora.cache import AdaptersCache
 from miles_runner.multi_lora.client import ControllerClient
@@ -29,9 +25,13 @@ from miles_runner.multi_lora.producer import GroupProducer
 from miles_runner.multi_lora.registry import RegistrySnapshot
 from miles_runner.plan.model import Plan
 from miles_runner.procs.heap import freeze_startup_heap
-from miles_runner.rollout.context import RolloutContext, rollout_workers
+from miles_runner.rollout.context import RolloutContext, rollout_engines
 from miles_runner.rollout.multi_lora import MultiLoRARollout
+from miles_runner.sglang_client.client import EngineClient, EngineError, EngineUnavailable
+from miles_runner.sglang_client.engine_pool import EnginePool
 from miles_runner.trainer.ranks import make_trainer
+from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
+from miles_runner.weight_sync.sync import make_sync
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules
 
@@ -63,7 +63,7 @@ class MultiLoRALoop:
     async def _serve(self, deployment: Deployment) -> list[dict[str, Any]]:
         """The producer fills the adapters' buffers while the loop runs; everything is closed after it."""
         # groups spread over the engines
-        rollout_client = rollout_workers(self.plan, deployment.engine_urls, api_key=deployment.api_key)
+        rollout_client = rollout_engines(self.plan, deployment.engine_urls, api_key=deployment.api_key)
         producer = self._connect(deployment, rollout_client)
         self._assemble(deployment.trainer_address)
         freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
@@ -80,7 +80,7 @@ class MultiLoRALoop:
                 await client.aclose()
         return self.tracker.records
 
-    def _connect(self, deployment: Deployment, rollout_client: WorkerPool) -> GroupProducer:
+    def _connect(self, deployment: Deployment, rollout_client: EnginePool) -> GroupProducer:
         """Clients of the engines and the controller, the rollout, the buffers and the producer that fills them."""
         plan, m = self.plan, self.plan.multi_lora
         key = deployment.api_key  # the run's key: the engines, the session server and the controller require it
@@ -91,7 +91,7 @@ class MultiLoRALoop:
         # Failing requests are tolerated while a lost engine can be noticed (a collect times out) and restarted.
         grace_s = m.max_empty_wait_s + plan.executor.health_timeout_s
         self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed, unreachable_grace_s=grace_s)
-        self.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.sync.max_weight_staleness)
+        self.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.rollout.max_weight_staleness)
         return GroupProducer(
             cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group, concurrency=2 * m.slots
         )
@@ -100,7 +100,7 @@ class MultiLoRALoop:
         """The collaborators that do the loop's jobs, and the tracker (from the resumed iteration on)."""
         self.sync = make_sync(self.plan, self.engines, trainer_address=trainer_address)  # every push names its slot
         self.checkpoints = AdapterCheckpoints(self.plan.checkpoint, self.trainer, self.rollout, self.controller)
-        sync, model = self.plan.sync, self.plan.model_path
+        sync, model = self.plan.weight_sync, self.plan.model_path
         probe = PushProbe(self.engines, probe_token_ids(model), sync.max_logprob_gap) if sync.verify else None
         self.pushes = Pushes(self.engines, self.sync, self.trainer, self.controller, self.events, probe)
         self.reconciler = Reconciler(self.controller, self.trainer, self.rollout, self.pushes, self.checkpoints,

@@ -1,8 +1,8 @@
-"""What gets pushed to the engines, and when: the adapters that stepped or are new (an upsert of each), or every
-loaded one when the engines are new (the run's start, or an engine restarted and lost them). Every push is
-verified: each engine reports its version (lora/verify.py) and, with plan.sync.verify, scores the push probe
-under the pushed adapter as the trainer's slot does (lora/probe.py); a failure names the iteration and the
-adapter, and the run stops before the trainer steps again.
+"""What gets pushed to the engines, and when: the adapters that stepped or are new (an upsert of each), or every loaded
+one when the engines are new (the run's start, or an engine restarted and lost them). Every push is verified: each
+engine reports its version (weight_sync/verify.py) and, with plan.weight_sync.verify, scores the push probe under the
+pushed adapter as the trainer's slot does (weight_sync/probe.py); a failure names the iteration and the adapter, and the
+run stops before the trainer steps again.
 
 Under the fault switch MILES_FAULT_FREEZE_ROLLOUT_ADAPTER every push of an adapter sends its first pushed
 weights again, under the new version: the probe must catch it at the adapter's first push after a step."""
@@ -15,15 +15,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
-from miles_runner.engine.client import EngineClient
 from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.recovery import engines_are_new
-from miles_runner.lora.adapter_sync import AdapterSync
-from miles_runner.lora.probe import PushProbe
-from miles_runner.lora.verify import SyncVerificationError
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
+from miles_runner.sglang_client.client import EngineClient
 from miles_runner.trainer.ranks import RankedTrainer
+from miles_runner.weight_sync.adapter_sync import AdapterSync
+from miles_runner.weight_sync.probe import PushProbe
+from miles_runner.weight_sync.verify import SyncVerificationError
 
 
 class Pushes:

@@ -9,10 +9,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from miles_runner.engine.client import EngineClient
 from miles_runner.executors.local import Executor
 from miles_runner.loops.multi_lora.events import EventLog
-from miles_runner.lora.verify import SyncVerificationError
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.weight_sync.verify import SyncVerificationError
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules
 

@@ -8,7 +8,7 @@ Modules, one per section, in the order their rules run:
     base             Finding, the `rule` decorator, the RULES and PRECONDITIONS registries, shared key names
     sizes            counts are at least 1 (or 0): a precondition
     session          the session server and its pause mode (spec §1.2 rules 1-6)
-    fully_async      fully-async rollout and the async driver (rules 7-8)
+    fully_async      fully-async rollout and the async schedule (rules 7-8)
     offload          training offload and optimizer storage (rules 9-15)
     weight_transfer  weight-transfer modes (rules 16-17)
     lora             LoRA modes and target modules (rules 18-25)

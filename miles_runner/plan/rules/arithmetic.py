@@ -8,17 +8,17 @@ from collections.abc import Iterator
 
 from miles_runner.config.schema import MilesConfig, lookup
 from miles_runner.plan.derive import Derived
-from miles_runner.plan.rules.base import TOPOLOGY, Finding, rule
-from miles_runner.plan.slots import (
+from miles_runner.plan.devices import (
     DIST_INIT_EXTRA_PORTS,
+    Device,
     EngineLayout,
-    Slot,
     engine_dist_init_port,
     engine_layouts,
     engine_rank_port,
-    rollout_slots,
+    rollout_devices,
     split_into_engines,
 )
+from miles_runner.plan.rules.base import TOPOLOGY, Finding, rule
 
 
 def largest_divisor(n: int, at_most: int) -> int:
@@ -73,7 +73,7 @@ def engines_fit_rollout_gpus(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         yield Finding(
             ("engine.tp_size", "topology.rollout_num_gpus"),
             f"{d.rollout_gpus} rollout GPUs cannot host whole engines of TP {tp}.",
-            f"engine.tp_size={largest_divisor(d.rollout_gpus, min(tp, d.slots_per_node))}"
+            f"engine.tp_size={largest_divisor(d.rollout_gpus, min(tp, d.devices_per_node))}"
             if d.rollout_gpus
             else "topology.rollout_num_gpus=1",
         )
@@ -82,18 +82,18 @@ def engines_fit_rollout_gpus(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 @rule("engine-split-evenly-over-nodes")
 def engine_split_evenly_over_nodes(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     """SGLang runs an engine over N nodes (--nnodes N) as tp_size / N ranks on each node, on that node's first
-    tp_size / N visible GPUs: an engine with more slots on one node than another would fail its tp_size % nnodes
+    tp_size / N visible GPUs: an engine with more devices on one node than another would fail its tp_size % nnodes
     check or leave a GPU it was given idle while another node's rank lacks one."""
-    tp, slots = cfg.engine.tp_size, rollout_slots(cfg, d)
+    tp, devices = cfg.engine.tp_size, rollout_devices(cfg, d)
     for index, layout in enumerate(engine_layouts(cfg, d)):
         if sum(map(len, layout.values())) == tp and not split_evenly(layout):  # a short engine: cluster-holds-plan
-            placement = () if d.colocated else ("topology.rollout_num_gpus",)  # colocated: the trainer's slots
+            placement = () if d.colocated else ("topology.rollout_num_gpus",)  # colocated: the trainer's devices
             yield Finding(
                 ("engine.tp_size", TOPOLOGY, "topology.actor_num_gpus_per_node", *placement),
                 f"engine{index} (TP {tp}) would run on {describe_layout(layout)}, but SGLang places an engine's "
                 f"ranks evenly over its nodes (--nnodes {len(layout)}: {ranks_per_node(tp, len(layout))}), so each "
-                f"node of an engine must hold as many of its slots. {whole_node_hint(cfg, d)}".rstrip(),
-                f"engine.tp_size={even_tp_size(slots, tp)}",
+                f"node of an engine must hold as many of its devices. {whole_node_hint(cfg, d)}".rstrip(),
+                f"engine.tp_size={even_tp_size(devices, tp)}",
             )
             return  # one finding: the fix re-lays every engine
 
@@ -107,20 +107,20 @@ def ranks_per_node(tp: int, nodes: int) -> str:
 
 
 def describe_layout(layout: EngineLayout) -> str:
-    return " + ".join(f"{len(ids)} slots of node {node} ({','.join(map(str, ids))})" for node, ids in layout.items())
+    return " + ".join(f"{len(ids)} devices of node {node} ({','.join(map(str, ids))})" for node, ids in layout.items())
 
 
-def even_tp_size(slots: list[Slot], tp: int) -> int:
-    """The largest engine size below tp that makes whole engines of these slots, each split evenly (1 always)."""
-    return next(t for t in range(tp - 1, 0, -1) if len(slots) % t == 0
-                and all(map(split_evenly, split_into_engines(slots, t, len(slots) // t))))  # fmt: skip
+def even_tp_size(devices: list[Device], tp: int) -> int:
+    """The largest engine size below tp that makes whole engines of these devices, each split evenly (1 always)."""
+    return next(t for t in range(tp - 1, 0, -1) if len(devices) % t == 0
+                and all(map(split_evenly, split_into_engines(devices, t, len(devices) // t))))  # fmt: skip
 
 
 def whole_node_hint(cfg: MilesConfig, d: Derived) -> str:
     """The other way out: engines that start on a node boundary, because the trainer takes whole nodes."""
-    if d.colocated or d.trainer_gpus_per_node % d.slots_per_node == 0:
+    if d.colocated or d.trainer_gpus_per_node % d.devices_per_node == 0:
         return ""
-    return (f"A trainer on whole nodes (topology.actor_num_gpus_per_node={d.slots_per_node}) would also start the "
+    return (f"A trainer on whole nodes (topology.actor_num_gpus_per_node={d.devices_per_node}) would also start the "
             "engines on a node boundary.")
 
 
@@ -128,13 +128,13 @@ def whole_node_hint(cfg: MilesConfig, d: Derived) -> str:
 def cluster_holds_plan(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if d.colocated:
         return
-    left = d.total_slots - d.trainer_world_size
+    left = d.total_devices - d.trainer_world_size
     shrink_trainer = f"topology.actor_num_gpus_per_node={max(d.trainer_gpus_per_node // 2, 1)}"
-    if d.trainer_world_size + d.rollout_gpus > d.total_slots:
+    if d.trainer_world_size + d.rollout_gpus > d.total_devices:
         yield Finding(
             ("topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "cluster.nodes"),
             f"Trainer ({d.trainer_world_size}) + rollout ({d.rollout_gpus}) GPUs exceed the cluster's "
-            f"{d.total_slots}.",
+            f"{d.total_devices}.",
             f"topology.rollout_num_gpus={left}" if left > 0 else shrink_trainer,
         )
     elif d.rollout_gpus == 0:

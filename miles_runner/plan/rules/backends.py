@@ -40,7 +40,7 @@ def fully_async_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         yield Finding(
             ("rollout.fully_async",),
             "The fully-async rollout (a generation loop that never waits for training) is not built in this "
-            "release; the async driver overlaps one step's generation with the previous step's training.",
+            "release; the async schedule overlaps one step's generation with the previous step's training.",
             "rollout.fully_async=false",
         )
 
@@ -70,13 +70,13 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
 @rule("embedded-engine-within-a-node")
 def embedded_engine_within_a_node(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     """An SGLang engine wider than a node runs one node rank per node (--nnodes); the embedded one cannot."""
-    wider = cfg.cluster.nodes > 1 and d.num_engines and cfg.engine.tp_size > d.slots_per_node
+    wider = cfg.cluster.nodes > 1 and d.num_engines and cfg.engine.tp_size > d.devices_per_node
     if cfg.engine.kind == "embedded" and wider:
         yield Finding(
             ("engine.kind", "engine.tp_size", "cluster.nodes"),
-            f"An engine of TP {cfg.engine.tp_size} spans nodes of {d.slots_per_node} slots, but the embedded CPU "
+            f"An engine of TP {cfg.engine.tp_size} spans nodes of {d.devices_per_node} devices, but the embedded CPU "
             "engine is one process on one node; only SGLang runs an engine over several nodes (--nnodes).",
-            f"engine.tp_size={d.slots_per_node}",
+            f"engine.tp_size={d.devices_per_node}",
         )
 
 

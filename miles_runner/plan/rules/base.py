@@ -36,5 +36,5 @@ def rule(rule_id: str, *, precondition: bool = False) -> Callable[[RuleFn], Rule
 PAUSE = "weight_sync.pause_generation_mode"
 TOPOLOGY = "topology.kind"
 ADAPTERS = "adapters.kind"
-LORA_MODE = "lora.mode"
+LORA_MODE = "trainer.lora_mode"
 BACKEND = "trainer.backend"

@@ -89,11 +89,11 @@ def trainer_fits_cluster(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             f"The trainer asks for {t.actor_num_nodes} nodes; the cluster has {cfg.cluster.nodes}.",
             f"topology.actor_num_nodes={cfg.cluster.nodes}",
         )
-    if d.trainer_gpus_per_node > d.slots_per_node:
+    if d.trainer_gpus_per_node > d.devices_per_node:
         yield Finding(
             ("topology.actor_num_gpus_per_node", "cluster.gpus_per_node"),
-            f"The trainer asks for {d.trainer_gpus_per_node} GPUs per node; nodes have {d.slots_per_node}.",
-            f"topology.actor_num_gpus_per_node={d.slots_per_node}",
+            f"The trainer asks for {d.trainer_gpus_per_node} GPUs per node; nodes have {d.devices_per_node}.",
+            f"topology.actor_num_gpus_per_node={d.devices_per_node}",
         )
 
 

@@ -17,7 +17,7 @@ BUILD = "engine.build"
 
 @rule("stock-sglang-has-no-lora-broadcast")
 def stock_sglang_has_no_lora_broadcast(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.engine.build == STOCK and d.lora_enabled and d.sync_method == "broadcast":
+    if cfg.engine.build == STOCK and d.lora_enabled and d.transfer_mode == "broadcast":
         colocated = "adapters=single topology=colocated" if d.multi_lora else "topology=colocated"
         yield _fork_only(
             "lora-broadcast-load", (TOPOLOGY, ADAPTERS), "Disaggregated engines receive the adapter by broadcast",
@@ -27,9 +27,9 @@ def stock_sglang_has_no_lora_broadcast(cfg: MilesConfig, d: Derived) -> Iterator
 
 @rule("stock-sglang-has-no-lora-upsert")
 def stock_sglang_has_no_lora_upsert(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    # lora.sync.make_sync upserts on a broadcast push for every multi-LoRA slot, and when requests stay paused
+    # weight_sync.sync.make_sync upserts on a broadcast push for every multi-LoRA slot, and when requests stay paused
     # in place (an unload would wait for them).
-    if not (cfg.engine.build == STOCK and d.lora_enabled and d.sync_method == "broadcast"):
+    if not (cfg.engine.build == STOCK and d.lora_enabled and d.transfer_mode == "broadcast"):
         return
     if d.multi_lora:
         yield _fork_only("lora-upsert", (ADAPTERS,), "Every multi-LoRA push refreshes its slot in place", "")

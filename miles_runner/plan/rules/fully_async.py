@@ -1,4 +1,4 @@
-"""Fully-async rollout and the async driver: disaggregated roles, resumable pauses, off-policy correction
+"""Fully-async rollout and the async schedule: disaggregated roles, resumable pauses, off-policy correction
 (spec §1.2 rules 7-8).
 """
 
@@ -56,20 +56,20 @@ def fully_async_no_partial_rollout(cfg: MilesConfig, d: Derived) -> Iterator[Fin
 
 @rule("fully-async-needs-async-driver")
 def fully_async_needs_async_driver(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.rollout.fully_async and cfg.rollout.driver != "async":
+    if cfg.rollout.fully_async and cfg.rollout.schedule != "async":
         yield Finding(
-            ("rollout.fully_async", "rollout.driver"),
-            "Fully-async rollout runs only under the asynchronous driver (train_async).",
-            "rollout.driver=async",
+            ("rollout.fully_async", "rollout.schedule"),
+            "Fully-async rollout runs only under the asynchronous schedule (train_async).",
+            "rollout.schedule=async",
         )
 
 
 @rule("async-driver-needs-disaggregated")
 def async_driver_needs_disaggregated(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.rollout.driver == "async" and d.colocated:
+    if cfg.rollout.schedule == "async" and d.colocated:
         yield Finding(
-            ("rollout.driver", TOPOLOGY),
-            "The async driver generates step n+1 while training step n; colocated roles cannot run at once.",
+            ("rollout.schedule", TOPOLOGY),
+            "The async schedule generates step n+1 while training step n; colocated roles cannot run at once.",
             "topology=disaggregated",
         )
 
@@ -82,9 +82,9 @@ def corrects_off_policy(cfg: MilesConfig) -> bool:
 
 @rule("async-needs-off-policy-correction")
 def async_needs_off_policy_correction(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.rollout.driver == "async" and not corrects_off_policy(cfg):
+    if cfg.rollout.schedule == "async" and not corrects_off_policy(cfg):
         yield Finding(
-            ("rollout.driver", "algorithm.use_tis"),
+            ("rollout.schedule", "algorithm.use_tis"),
             "Async samples come from weights one step old; the loss needs rollout logprobs, TIS or the old actor.",
             "algorithm.use_tis=true",
         )
@@ -94,9 +94,9 @@ def async_needs_off_policy_correction(cfg: MilesConfig, d: Derived) -> Iterator[
 def async_driver_is_one_step_stale(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     # A longer update interval adds to this bound: update-interval-within-staleness (weight_sync.py) says so.
     interval = cfg.weight_sync.update_weights_interval
-    if cfg.rollout.driver == "async" and interval == 1 and cfg.rollout.max_weight_staleness < 1:
+    if cfg.rollout.schedule == "async" and interval == 1 and cfg.rollout.max_weight_staleness < 1:
         yield Finding(
-            ("rollout.driver", "rollout.max_weight_staleness"),
-            "The async driver trains on samples one weight version old; staleness 0 would reject every batch.",
+            ("rollout.schedule", "rollout.max_weight_staleness"),
+            "The async schedule trains on samples one weight version old; staleness 0 would reject every batch.",
             "rollout.max_weight_staleness=1",
         )

@@ -16,7 +16,7 @@ from miles_runner.plan.starting_adapter import starting_adapter_problems
 
 @rule("lora-mode-needs-adapters")
 def lora_mode_needs_adapters(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.lora.mode != "none" and not d.lora_enabled:
+    if cfg.trainer.lora_mode != "none" and not d.lora_enabled:
         yield Finding(
             (LORA_MODE, ADAPTERS),
             "A LoRA mode without adapters trains nothing LoRA-shaped; full-weight training is lora_mode=none.",
@@ -26,14 +26,14 @@ def lora_mode_needs_adapters(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 
 @rule("adapters-need-lora-mode")
 def adapters_need_lora_mode(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if d.lora_enabled and cfg.lora.mode == "none":
+    if d.lora_enabled and cfg.trainer.lora_mode == "none":
         fix = "lora_mode=bridge" if cfg.trainer.backend == "megatron" else "lora_mode=peft"
         yield Finding((ADAPTERS, LORA_MODE), "Adapters are configured but no LoRA implementation is chosen.", fix)
 
 
 @rule("lora-mode-matches-trainer")
 def lora_mode_matches_trainer(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    mode, backend = cfg.lora.mode, cfg.trainer.backend
+    mode, backend = cfg.trainer.lora_mode, cfg.trainer.backend
     if mode in ("bridge", "raw") and backend != "megatron":
         yield Finding((LORA_MODE, BACKEND), f"lora_mode={mode} is a Megatron path.", "lora_mode=peft")
     if mode == "peft" and backend != "fsdp":
@@ -42,7 +42,7 @@ def lora_mode_matches_trainer(cfg: MilesConfig, d: Derived) -> Iterator[Finding]
 
 @rule("disaggregated-lora-needs-bridge")
 def disaggregated_lora_needs_bridge(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if d.lora_enabled and not d.colocated and cfg.lora.mode == "raw":
+    if d.lora_enabled and not d.colocated and cfg.trainer.lora_mode == "raw":
         yield Finding(
             (TOPOLOGY, LORA_MODE),
             "Broadcasting an adapter to separate engines needs the bridge export; raw LoRA syncs colocated only.",
@@ -62,7 +62,7 @@ def disaggregated_lora_needs_pp1(cfg: MilesConfig, d: Derived) -> Iterator[Findi
 
 @rule("ppo-critic-rejects-bridge")
 def ppo_critic_rejects_bridge(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.algorithm.advantage_estimator == "ppo" and cfg.lora.mode == "bridge":
+    if cfg.algorithm.advantage_estimator == "ppo" and cfg.trainer.lora_mode == "bridge":
         yield Finding(
             ("algorithm.advantage_estimator", LORA_MODE),
             "The PPO critic cannot be built through the bridge LoRA path.",

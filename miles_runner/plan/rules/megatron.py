@@ -32,7 +32,7 @@ def _megatron_lora(cfg: MilesConfig, d: Derived) -> bool:
 @rule("raw-lora-needs-converter")
 def raw_lora_needs_converter(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     family = cfg.model.family
-    if _megatron_lora(cfg, d) and cfg.lora.mode == "raw" and family not in RAW_LORA_FAMILIES:
+    if _megatron_lora(cfg, d) and cfg.trainer.lora_mode == "raw" and family not in RAW_LORA_FAMILIES:
         bridge = hf_model_type(family) in BRIDGE_MODEL_TYPES
         yield Finding(
             (LORA_MODE, "model.family"),
@@ -77,7 +77,7 @@ def megatron_lora_fused_targets(cfg: MilesConfig, d: Derived) -> Iterator[Findin
 @rule("bridge-supports-model")
 def bridge_supports_model(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     model_type = hf_model_type(cfg.model.family)
-    if cfg.trainer.backend == "megatron" and cfg.lora.mode == "bridge" and model_type not in BRIDGE_MODEL_TYPES:
+    if cfg.trainer.backend == "megatron" and cfg.trainer.lora_mode == "bridge" and model_type not in BRIDGE_MODEL_TYPES:
         yield Finding(
             ("model.family", LORA_MODE),
             f"Megatron-Bridge 0.6.2 registers no bridge for the Hugging Face model type {model_type!r}.",
@@ -89,7 +89,7 @@ def bridge_supports_model(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
 def bridge_expert_lora_needs_ep1(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     p = cfg.trainer.parallel
     experts = [m for m in d.target_modules if m in EXPERT_TARGETS]
-    if _megatron_lora(cfg, d) and cfg.lora.mode == "bridge" and d.is_moe and experts and p.ep > 1:
+    if _megatron_lora(cfg, d) and cfg.trainer.lora_mode == "bridge" and d.is_moe and experts and p.ep > 1:
         yield Finding(
             ("adapters.target_modules", "trainer.parallel.ep", LORA_MODE),
             "Megatron-Bridge 0.6.2 exports expert LoRA wrongly with EP > 1: each rank writes only its local "
@@ -192,7 +192,7 @@ def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding
 
 @rule("bridge-cannot-start-from-adapter")
 def bridge_cannot_start_from_adapter(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if _megatron_lora(cfg, d) and cfg.lora.mode == "bridge" and cfg.adapters.path:
+    if _megatron_lora(cfg, d) and cfg.trainer.lora_mode == "bridge" and cfg.adapters.path:
         yield Finding(
             ("adapters.path", LORA_MODE),
             "Megatron-Bridge 0.6.2 exports PEFT adapters but cannot import one into its LoRA modules.",

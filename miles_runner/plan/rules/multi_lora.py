@@ -45,7 +45,7 @@ def multi_lora_needs_disaggregated(cfg: MilesConfig, d: Derived) -> Iterator[Fin
 @rule("multi-lora-needs-slotted-lora")
 @_multi
 def multi_lora_needs_slotted_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.lora.mode not in ("bridge", "peft"):
+    if cfg.trainer.lora_mode not in ("bridge", "peft"):
         yield Finding(
             (ADAPTERS, LORA_MODE),
             "Per-adapter slots exist in the bridge PEFT path (Megatron) and the peft path (FSDP) only.",

@@ -15,7 +15,7 @@ POSITIVE_SIZES = (
     "trainer.parallel.etp", "trainer.parallel.micro_batch_size", "engine.tp_size", "engine.ep_size",
 )
 NON_NEGATIVE_SIZES = (
-    "cluster.gpus_per_node", "cluster.cpu_slots_per_node", "topology.actor_num_nodes",
+    "cluster.gpus_per_node", "cluster.cpu_devices_per_node", "topology.actor_num_nodes",
     "topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "algorithm.global_batch_size",
     "adapters.max_slots", "engine.max_lora_rank", "executor.engine_restarts",
 )
@@ -28,6 +28,6 @@ def sizes_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
         if value < least:
             yield Finding((key,), f"{key} is a count (of processes, GPUs, samples or restarts); it must be at least "
                           f"{least}.", f"{key}={least}")
-    if cfg.cluster.cpu_only and cfg.cluster.cpu_slots_per_node < 1:
-        yield Finding(("cluster.cpu_slots_per_node",), "A cpu-only node needs at least one worker slot.",
-                      "cluster.cpu_slots_per_node=1")
+    if cfg.cluster.cpu_only and cfg.cluster.cpu_devices_per_node < 1:
+        yield Finding(("cluster.cpu_devices_per_node",), "A cpu-only node needs at least one device (CPU worker process).",
+                      "cluster.cpu_devices_per_node=1")

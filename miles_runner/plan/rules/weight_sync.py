@@ -3,8 +3,8 @@ implies (rollout.max_weight_staleness), and the verification of pushes (weight_s
 weight_sync.max_logprob_gap, weight_sync.check_weight_equal).
 
 The loops push after every `update_weights_interval` steps and after the last one (train_async.py's
-`(rollout_id + 1) % interval == 0`; the sync driver honours it the same way here), so a trained batch lags the
-trainer by up to interval - 1 versions, plus one under the async driver (plan.model.staleness_bound).
+`(rollout_id + 1) % interval == 0`; the sync schedule honours it the same way here), so a trained batch lags the
+trainer by up to interval - 1 versions, plus one under the async schedule (plan.model.staleness_bound).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from miles_runner.plan.rules.fully_async import corrects_off_policy
 
 INTERVAL = "weight_sync.update_weights_interval"
 STALENESS = "rollout.max_weight_staleness"
-DRIVER = "rollout.driver"
+SCHEDULE = "rollout.schedule"
 VERIFY = "weight_sync.verify"
 MAX_GAP = "weight_sync.max_logprob_gap"
 
@@ -33,12 +33,12 @@ def update_interval_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Fi
 
 @rule("update-interval-within-staleness")
 def update_interval_within_staleness(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    interval, driver = cfg.weight_sync.update_weights_interval, cfg.rollout.driver
-    bound = staleness_bound(interval, driver)
+    interval, schedule = cfg.weight_sync.update_weights_interval, cfg.rollout.schedule
+    bound = staleness_bound(interval, schedule)
     if interval > 1 and bound > cfg.rollout.max_weight_staleness:
-        why = f"{interval} - 1 steps between pushes" + (", plus one for the async driver" if driver == "async" else "")
+        why = f"{interval} - 1 steps between pushes" + (", plus one for the async schedule" if schedule == "async" else "")
         yield Finding(
-            (INTERVAL, *((DRIVER,) if driver == "async" else ()), STALENESS),
+            (INTERVAL, *((SCHEDULE,) if schedule == "async" else ()), STALENESS),
             f"Pushing the adapter every {interval} steps trains batches up to {bound} weight versions old ({why}); "
             f"{STALENESS}={cfg.rollout.max_weight_staleness} would reject them.",
             f"{STALENESS}={bound}",
@@ -47,9 +47,9 @@ def update_interval_within_staleness(cfg: MilesConfig, d: Derived) -> Iterator[F
 
 @rule("update-interval-needs-off-policy-correction")
 def update_interval_needs_off_policy_correction(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    # The async driver's batches are stale whatever the interval: async-needs-off-policy-correction says so.
+    # The async schedule's batches are stale whatever the interval: async-needs-off-policy-correction says so.
     interval = cfg.weight_sync.update_weights_interval
-    if interval > 1 and cfg.rollout.driver == "sync" and not corrects_off_policy(cfg):
+    if interval > 1 and cfg.rollout.schedule == "sync" and not corrects_off_policy(cfg):
         yield Finding(
             (INTERVAL, "algorithm.use_tis"),
             f"Between pushes, batches come from adapter weights up to {interval - 1} steps older than the trainer's; "

@@ -124,7 +124,7 @@ class MegatronTrainer:
         return response_values(self._log_probs(batch, adapter=adapter), samples)
 
     def probe_log_probs(self, token_ids: Sequence[int]) -> list[float]:
-        """The adapter's raw logprobs of the push probe (lora/probe.py); collective."""
+        """The adapter's raw logprobs of the push probe (weight_sync/probe.py); collective."""
         self.model.eval()
         return sequence_log_probs(self.net, token_ids)
 
@@ -267,11 +267,11 @@ def build_megatron_trainer(plan: Plan, trainer_class: type[MegatronTrainer] = Me
 
 
 def trainer_device(plan: Plan) -> torch.device:
-    """The host CPU on a cpu-only cluster; else the GPU of this rank's placement slot (made current: megatron
+    """The host CPU on a cpu-only cluster; else the GPU of this rank's placement device (made current: megatron
     allocates its buffers on the current device)."""
     if plan.cluster.cpu_only:
         return torch.device("cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _, slot = plan.trainer.placements[rank]
-    torch.cuda.set_device(slot)
-    return torch.device("cuda", slot)
+    _, device = plan.trainer.placements[rank]
+    torch.cuda.set_device(device)
+    return torch.device("cuda", device)

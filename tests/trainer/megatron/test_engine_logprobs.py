@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_runner.engine.client import EngineClient
 from miles_runner.plan.model import Plan
 from miles_runner.session.samples import Sample
+from miles_runner.sglang_client.client import EngineClient
 from miles_runner.trainer.fsdp import TrainerSettings
 from miles_runner.trainer.megatron import parallel
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
