@@ -24,9 +24,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The pinned SGLang's own request definitions (io_struct.py, http_server.py, openai/protocol.py), which the wire-format
-# tests check every request body against: its wheel, downloaded without dependencies and only read (never installed
-# or imported). One Linux wheel whatever the host: only its Python source is read. The pin is pyproject's gpu extra.
+# The pinned SGLang's wheel (pyproject's gpu extra), downloaded without dependencies and only read, never installed:
+# the wire-format tests check every request body against its own request definitions.
 SGLANG_PIN := $(shell sed -n 's/.*"sglang==\([^"]*\)".*/\1/p' pyproject.toml)
 SGLANG_SPEC := $(MILES_CACHE_DIR)/sglang-$(SGLANG_PIN)/.downloaded
 
@@ -77,28 +76,13 @@ run: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/miles-run +recipe=tiny_lora_agentic --plan $(ARGS)
 
-# pytest rewrites the asserts of every test module it imports, in every worker, and keeps the result only where it
-# may write bytecode: with PYTHONDONTWRITEBYTECODE set (as on CI machines) each run re-rewrote all ~530 modules, 8 of
-# a worker's 23 s of start-up. Cleared for the test run only (the rewritten files go to tests' __pycache__, ignored).
+# pytest keeps its assert-rewritten test modules only where it may write bytecode: with PYTHONDONTWRITEBYTECODE set
+# (as on CI machines) every worker would rewrite them all again. Cleared for the test run only (git-ignored caches).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
-# The Megatron-Bridge tests run in their side environment (a main-venv pytest skips them), alongside the main suite,
-# at nice 10 so that they take what the workers leave; their output is printed once the main suite ends.
-# Three workers on 2 cores: a test that waits (a server's start or stop, a timeout it proves, the Slurm scheduler)
-# leaves its core to the other two. Interleaved, one tree, one evening: 7:49-8:36 over five runs with three (median
-# 8:18) against 8:24 and 9:55 with two (nine earlier runs of two: 8:58-12:56, median 10:14), and 7:39 in one run with
-# four, following the machine's drifting speed (README, Development). With two, a quarter of the cores sat idle in the
-# last 3 minutes, where the short tests that wait run; with three, 3.5-4% over the whole run (four: 1.7%, and 2 GiB
-# more memory). Each test gets less of a core: the default recipe's learning proof, the slowest, took 90-101 s over
-# the five runs with three against 60 and 80 s in the two with two (126 s with four), under its 900 s timeout.
-# (Two days earlier, when the suite took ~1,300 busy core-seconds against ~900 now, three workers were slower:
-# 11:48-13:15 against 9:06-10:10 for the main suite, the longest tests 40-80% slower.) --durations: every run prints
-# its 15 slowest tests (where the suite's time goes). The components, drivers and worker ranks the tests start fork
-# from a warm start server per worker (tests/conftest.py, tests/drivers.py). Each test file stays on one worker
-# (--dist loadfile), so a module's shared run or server starts once and the local Slurm cluster (tests/slurm, one
-# file) has one owner; the Slurm file and then files with slow tests go first (tests/conftest.py;
-# --no-loadscope-reorder keeps that order).
-# TEST_WORKERS=0: one process.
+# Three workers on 2 cores: a test that waits (a server, a timeout it proves, the Slurm scheduler) leaves its core to
+# the others. Files stay on one worker (shared servers start once; the Slurm file has one owner), the Slurm file and
+# slow files first (tests/conftest.py). The Bridge tests run alongside at nice 10. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 test: layers sglang-spec bridge-env tiny-models bytecode
 	bridge_log=$$(mktemp); nice -n 10 $(MAKE) --no-print-directory bridge-test > $$bridge_log 2>&1 & bridge=$$!; \
@@ -107,9 +91,8 @@ test: layers sglang-spec bridge-env tiny-models bytecode
 	wait $$bridge; bridge_rc=$$?; echo "--- the Megatron-Bridge tests (run alongside the main suite):"; \
 	cat $$bridge_log; rm -f $$bridge_log; test $$main = 0 && test $$bridge_rc = 0
 
-# The tiny models the tests run (the main venv's transformers sets their weights), built once before the workers
-# start: a build inside a test counts against its timeout, and workers that each need one would build it side by side
-# (a fresh clone's first run-tests waited minutes for one another's format pre-training). Cached: a no-op once built.
+# The tiny models the tests run, built once before the workers start: a build inside a test counts against its
+# timeout, and workers would otherwise build them side by side. Cached: a no-op once built.
 tiny-models: $(STAMP)
 	$(BIN)/python -c "from miles_runner.models.format_pretrain import ensure_format_pretrained as f; \
 		from miles_runner.models.tiny_model import ensure_tiny_model as t; t('tiny-dense'); f('tiny-moe')"
@@ -119,9 +102,8 @@ tiny-models: $(STAMP)
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 miles_runner hydra_plugins miles_testkit bench tests > /dev/null
 
-# The inner loop (under 2 minutes on 2 cores: 52 s; 1:17, and 2:24 on slower days): the unit tests, no servers,
-# processes or training runs, spread over one worker per core. Hydra composition is most of it: the workers share
-# their composed configs (tests/compiled.py).
+# The inner loop: the unit tests only (no servers, processes or training runs), one worker per core. Hydra
+# composition is most of it, so the workers share their composed configs (tests/compiled.py).
 test-fast: layers sglang-spec bytecode
 	$(PYTEST) -q -n auto -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
 
