@@ -64,8 +64,15 @@ from miles_testkit.launch import engine_url, start_engine
 
 RANKS = (8, 16, 64)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-                        max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)  # fmt: skip
+QWEN25_05B_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
 NUM_LAYERS = 2
 MODEL_NAME = f"qwen2.5-0.5b-shape-{NUM_LAYERS}layers-seed0"
 MEMORY_COPY_BYTES = 256 * 2**20
@@ -89,9 +96,14 @@ def ensure_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
     vocab_size = build_tokenizer(staging)
     token_ids = json.loads((staging / "tokenizer.json").read_text())["model"]["vocab"]
-    config = Qwen2Config(**QWEN25_05B_SHAPE, num_hidden_layers=NUM_LAYERS, vocab_size=vocab_size,
-                         tie_word_embeddings=True, eos_token_id=token_ids["<|im_end|>"],
-                         pad_token_id=token_ids["<|endoftext|>"])  # fmt: skip
+    config = Qwen2Config(
+        **QWEN25_05B_SHAPE,
+        num_hidden_layers=NUM_LAYERS,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
@@ -174,8 +186,10 @@ async def measure_path(
                 assert tensors is not None, "the engine on this host does not read shared memory"
             report = await sync.push(tensors, config, next(versions))
             assert report.shared_memory == shared
-            calls = {"push": functools.partial(_push, sync, tensors, config, versions),
-                     "load": functools.partial(sync.load, tensors, config, ADAPTER)}  # fmt: skip
+            calls = {
+                "push": functools.partial(_push, sync, tensors, config, versions),
+                "load": functools.partial(sync.load, tensors, config, ADAPTER),
+            }
             for kind, call in calls.items():
                 times[rank][kind] += await seconds_of(call, per_round)
     figures: dict[int, dict[str, float]] = {}
@@ -203,17 +217,34 @@ def marginal_bandwidth(byte_counts: list[int], seconds: list[float]) -> float | 
 async def run(model_dir: Path, repeats: int) -> dict[str, Any]:
     adapters = {rank: make_adapter(model_dir, rank) for rank in RANKS}
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir),
-            "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", str(max(RANKS)),
-            "--lora-target-modules", *TARGETS, "--dist-timeout", "120"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max(RANKS)),
+        "--lora-target-modules",
+        *TARGETS,
+        "--dist-timeout",
+        "120",
+    ]
     logs = Path(tempfile.mkdtemp(prefix="adapter-sync-bench-"))
     engine = start_engine(argv, port=port, log_path=logs / "engine.log", timeout_s=300)
     try:
         async with EngineClient(engine_url(argv, port), timeout_s=300) as client:
-            syncs = {"tensor": TensorSync([client], plan(), ADAPTER),
-                     "tensor_copied": TensorSync([client], plan(), ADAPTER),
-                     "tensor_inline": TensorSync([client], plan(), ADAPTER, shared_memory=False),
-                     "broadcast": BroadcastSync([client], plan(*DISAGGREGATED), ADAPTER, timeout_s=120)}  # fmt: skip
+            syncs = {
+                "tensor": TensorSync([client], plan(), ADAPTER),
+                "tensor_copied": TensorSync([client], plan(), ADAPTER),
+                "tensor_inline": TensorSync([client], plan(), ADAPTER, shared_memory=False),
+                "broadcast": BroadcastSync([client], plan(*DISAGGREGATED), ADAPTER, timeout_s=120),
+            }
             measured = {}
             for path, sync in syncs.items():
                 try:
@@ -227,11 +258,25 @@ async def run(model_dir: Path, repeats: int) -> dict[str, Any]:
     for rank, (tensors, _) in adapters.items():
         nbytes = tensor_bytes(tensors)
         copy_median, copy_min = copy_seconds(nbytes, repeats)
-        rows.append({"rank": rank, "bytes": nbytes, "tensors": len(tensors), "copy_seconds": copy_median,
-                     "copy_min_seconds": copy_min, **{path: measured[path][rank] for path in PATHS}})  # fmt: skip
+        rows.append(
+            {
+                "rank": rank,
+                "bytes": nbytes,
+                "tensors": len(tensors),
+                "copy_seconds": copy_median,
+                "copy_min_seconds": copy_min,
+                **{path: measured[path][rank] for path in PATHS},
+            }
+        )
     model = {"name": MODEL_NAME, **QWEN25_05B_SHAPE, "num_hidden_layers": NUM_LAYERS}
-    return {"ranks": list(RANKS), "repeats": repeats, "memory_copy_gbs": memory_copy_gbs(repeats), "model": model,
-            "target_modules": TARGETS, "rows": rows}  # fmt: skip
+    return {
+        "ranks": list(RANKS),
+        "repeats": repeats,
+        "memory_copy_gbs": memory_copy_gbs(repeats),
+        "model": model,
+        "target_modules": TARGETS,
+        "rows": rows,
+    }
 
 
 def add_bandwidths(figures: dict[str, Any]) -> None:
@@ -255,9 +300,10 @@ def add_bandwidths(figures: dict[str, Any]) -> None:
             rate = marginal_bandwidth(byte_counts, seconds)
             gbs = None if rate is None else rate / 1e9
             figures["marginal"][f"{path}_{kind}"] = {
-                "gbs": gbs, "fraction_of_copy": None if gbs is None else gbs / copy_gbs,
+                "gbs": gbs,
+                "fraction_of_copy": None if gbs is None else gbs / copy_gbs,
                 "fraction_of_memory_copy": None if gbs is None else gbs / figures["memory_copy_gbs"],
-            }  # fmt: skip
+            }
 
 
 def summary(figures: dict[str, Any]) -> list[str]:
@@ -293,15 +339,17 @@ def summary(figures: dict[str, Any]) -> list[str]:
         "",
         f"Target: load >= {100 * TARGET_FRACTION:.0f}% of the copy bandwidth, marginal against marginal: "
         f"{target_verdict(figures)}.",
-    ]  # fmt: skip
+    ]
     return lines
 
 
 def marginal_text(marginal: dict[str, float | None]) -> str:
     if marginal["gbs"] is None:
         return "n/a (the seconds did not rise with the bytes: noise above the per-byte cost)"
-    return (f"{marginal['gbs']:.3f} GB/s ({100 * marginal['fraction_of_copy']:.1f}% / "
-            f"{100 * marginal['fraction_of_memory_copy']:.0f}%)")  # fmt: skip
+    return (
+        f"{marginal['gbs']:.3f} GB/s ({100 * marginal['fraction_of_copy']:.1f}% / "
+        f"{100 * marginal['fraction_of_memory_copy']:.0f}%)"
+    )
 
 
 def target_verdict(figures: dict[str, Any]) -> str:
@@ -311,8 +359,10 @@ def target_verdict(figures: dict[str, Any]) -> str:
     verdicts = []
     for path in PATHS:
         fraction = figures["marginal"][f"{path}_load"]["fraction_of_copy"] or 0.0
-        verdicts.append(f"{path} {'met' if fraction >= TARGET_FRACTION else 'missed'} ({100 * fraction:.1f}%; "
-                        f"r{largest['rank']} whole: {100 * largest[path]['load_fraction_of_copy']:.1f}%)")  # fmt: skip
+        verdicts.append(
+            f"{path} {'met' if fraction >= TARGET_FRACTION else 'missed'} ({100 * fraction:.1f}%; "
+            f"r{largest['rank']} whole: {100 * largest[path]['load_fraction_of_copy']:.1f}%)"
+        )
     return ", ".join(verdicts)
 
 

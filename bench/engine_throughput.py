@@ -82,8 +82,16 @@ async def _in_process_rate(model_dir: Path, concurrency: int, per_client: int, m
 def start_server(model_dir: Path, log, *flags: str) -> tuple[subprocess.Popen, str]:
     """An embedded engine on a free loopback port (the model's defaults, plus `flags`), once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir), "--port", str(port),
-           *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        *flags,
+    ]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -39,8 +39,14 @@ CASES = (
     Case("count", "count", "exact_match", pretrained=True),
     Case("count_adapter_off", "count", "exact_match", pretrained=True, adapter_in_rollouts=False),
     Case("guess_number", "guess_number", "guess_number", pretrained=True, max_turns=3),
-    Case("guess_number_adapter_off", "guess_number", "guess_number", pretrained=True, adapter_in_rollouts=False,
-         max_turns=3),
+    Case(
+        "guess_number_adapter_off",
+        "guess_number",
+        "guess_number",
+        pretrained=True,
+        adapter_in_rollouts=False,
+        max_turns=3,
+    ),
     Case("arith", "arith", "exact_match", pretrained=True),
     Case("count_no_pretraining", "count", "exact_match", pretrained=False),
 )
@@ -54,11 +60,13 @@ def model_path(pretrained: bool) -> Path:
 
 
 def run_case(case: Case, steps: int) -> LocalRunResult:
-    adapter = AdapterSpec("miles_lora", "miles_lora", 8, 16.0, 0.0, ATTENTION, case.task, case.reward, case.lr,
-                          case.prompts, case.samples)
+    adapter = AdapterSpec(
+        "miles_lora", "miles_lora", 8, 16.0, 0.0, ATTENTION, case.task, case.reward, case.lr, case.prompts, case.samples
+    )
     sampling = SamplingSettings(case.max_new_tokens, max_turns=case.max_turns)
-    config = LocalRunConfig(str(model_path(case.pretrained)), adapter, sampling, steps,
-                            adapter_in_rollouts=case.adapter_in_rollouts)
+    config = LocalRunConfig(
+        str(model_path(case.pretrained)), adapter, sampling, steps, adapter_in_rollouts=case.adapter_in_rollouts
+    )
     return run_local_grpo(config)
 
 
@@ -80,27 +88,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
     pretrain_s = time_format_pretraining()
-    figures: dict = {"steps": args.steps, "lora": {"rank": 8, "alpha": 16, "targets": ATTENTION},
-                     "format_pretrain_build_s": round(pretrain_s, 1), "cases": {}}
-    lines = [f"In-process LoRA GRPO on tiny-moe (HF generate with the peft model, temperature 1, at most 4 new "
-             f"tokens per turn), {args.steps} steps, attention LoRA r8/a16 (q,k,v,o), Adam, one optimizer step "
-             "per rollout; reward = mean of the first / last 5 steps. Format pre-training "
-             "(`models.format_pretrain`) fits the init-0.1 model on random *well-formed* episodes of every "
-             "task, so it answers with a number at about chance (count: 1/6; guess_number with uniform guesses: "
-             "~0.27); the LoRA then has to learn which number. The adapter-off rows train the same adapter but "
-             "sample from the base model.", "",
-             "| case | task | model | rollouts | lr | prompts x samples | first 5 | last 5 | wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    figures: dict = {
+        "steps": args.steps,
+        "lora": {"rank": 8, "alpha": 16, "targets": ATTENTION},
+        "format_pretrain_build_s": round(pretrain_s, 1),
+        "cases": {},
+    }
+    lines = [
+        f"In-process LoRA GRPO on tiny-moe (HF generate with the peft model, temperature 1, at most 4 new "
+        f"tokens per turn), {args.steps} steps, attention LoRA r8/a16 (q,k,v,o), Adam, one optimizer step "
+        "per rollout; reward = mean of the first / last 5 steps. Format pre-training "
+        "(`models.format_pretrain`) fits the init-0.1 model on random *well-formed* episodes of every "
+        "task, so it answers with a number at about chance (count: 1/6; guess_number with uniform guesses: "
+        "~0.27); the LoRA then has to learn which number. The adapter-off rows train the same adapter but "
+        "sample from the base model.",
+        "",
+        "| case | task | model | rollouts | lr | prompts x samples | first 5 | last 5 | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for case in CASES:
         if args.only and case.name not in args.only:
             continue
         result = run_case(case, args.steps)
         first, last = result.window_mean(True), result.window_mean(False)
-        figures["cases"][case.name] = {**asdict(case), "first5": first, "last5": last,
-                                       "wall_s": result.wall_s, "rewards": result.rewards}
-        lines.append(f"| {case.name} | {case.task} | {'format-pretrained' if case.pretrained else 'init 0.1'} | "
-                     f"{'adapter' if case.adapter_in_rollouts else 'base (adapter off)'} | {case.lr} | "
-                     f"{case.prompts} x {case.samples} | {first:.3f} | {last:.3f} | {result.wall_s:.0f} |")
+        figures["cases"][case.name] = {
+            **asdict(case),
+            "first5": first,
+            "last5": last,
+            "wall_s": result.wall_s,
+            "rewards": result.rewards,
+        }
+        lines.append(
+            f"| {case.name} | {case.task} | {'format-pretrained' if case.pretrained else 'init 0.1'} | "
+            f"{'adapter' if case.adapter_in_rollouts else 'base (adapter off)'} | {case.lr} | "
+            f"{case.prompts} x {case.samples} | {first:.3f} | {last:.3f} | {result.wall_s:.0f} |"
+        )
         print(lines[-1], flush=True)
     lines += ["", f"Format pre-training of a fresh tiny model: {pretrain_s:.0f} s (cached after the first build)."]
     write_result("grpo_learning", figures, lines)

@@ -36,8 +36,10 @@ ONE_PROCESS = {
 TWO_PROCESS = {
     f"megatron raw {fmt} {name}": ["trainer=megatron", "lora_mode=raw", f"trainer.parallel.qkv_format={fmt}", *layout]
     for fmt in ("thd", "bshd")
-    for name, layout in (("TP=2", ["trainer.parallel.tp=2"]),
-                         ("TP=2 EP=2", ["trainer.parallel.tp=2", "trainer.parallel.ep=2"]))
+    for name, layout in (
+        ("TP=2", ["trainer.parallel.tp=2"]),
+        ("TP=2 EP=2", ["trainer.parallel.tp=2", "trainer.parallel.ep=2"]),
+    )
 }
 WARMUP_STEPS = 1  # the first step pays one-off costs (allocator, lazy imports, megatron buffers)
 
@@ -149,8 +151,17 @@ def two_process(overrides: list[str], steps: int, timeout_s: float = 900) -> dic
 
     with tempfile.TemporaryDirectory(prefix="megatron-step-") as work:
         out = Path(work) / "rank0.json"
-        argv = [sys.executable, "-m", "bench.megatron_step_time", "--rank-worker", json.dumps(overrides),
-                "--steps", str(steps), "--out", str(out)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.megatron_step_time",
+            "--rank-worker",
+            json.dumps(overrides),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ]
         run_ranks(argv, 2, timeout_s, f"two-process step timing {overrides}")
         return json.loads(out.read_text())
 
@@ -171,17 +182,25 @@ def rank_worker(overrides: list[str], steps: int, out: Path) -> None:
 
 def summary_row(name: str, times: dict[str, list[float]], baseline: dict[str, list[float]]) -> str:
     wall, cpu, base = times["wall"], times["cpu"], baseline["wall"]
-    return (f"| {name} | {statistics.median(wall):.3f} | {min(wall):.3f} - {max(wall):.3f} | "
-            f"{statistics.median(cpu):.3f} | {len(wall)} | {statistics.median(wall) / statistics.median(base):.2f}x | "
-            f"{min(wall) / min(base):.2f}x |")
+    return (
+        f"| {name} | {statistics.median(wall):.3f} | {min(wall):.3f} - {max(wall):.3f} | "
+        f"{statistics.median(cpu):.3f} | {len(wall)} | {statistics.median(wall) / statistics.median(base):.2f}x | "
+        f"{min(wall) / min(base):.2f}x |"
+    )
 
 
 def batch_shape(samples: list[Any]) -> dict[str, Any]:
     lengths = [len(s.tokens) for s in samples]
     trained = sum(sum(s.loss_mask) for s in samples)
-    return {"samples": len(samples), "tokens": sum(lengths), "trained_tokens": trained,
-            "min_len": min(lengths), "median_len": statistics.median(lengths), "max_len": max(lengths),
-            "two_turn_share": sum(1 for s in samples if 0 in s.loss_mask) / len(samples)}  # fmt: skip
+    return {
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "trained_tokens": trained,
+        "min_len": min(lengths),
+        "median_len": statistics.median(lengths),
+        "max_len": max(lengths),
+        "two_turn_share": sum(1 for s in samples if 0 in s.loss_mask) / len(samples),
+    }
 
 
 def main() -> None:
@@ -235,8 +254,11 @@ def report(figures: Figures, shape: dict[str, Any], steps: int, two_rank_steps: 
         "per row: attention costs rows x W^2 for rows of width W, where the padded rows (bshd) cost rows x L^2.",
     ]
     medians = {name: {kind: statistics.median(v) for kind, v in times.items()} for name, times in figures.items()}
-    write_result("megatron_step_time", {"batch": shape, "steps": steps, "two_rank_steps": two_rank_steps,
-                                        "seconds": figures, "median_s": medians}, summary)
+    write_result(
+        "megatron_step_time",
+        {"batch": shape, "steps": steps, "two_rank_steps": two_rank_steps, "seconds": figures, "median_s": medians},
+        summary,
+    )
     print("\n".join(summary))
 
 

@@ -27,9 +27,9 @@ IMPORT_PROBE = (
 def time_plan(root: str) -> float:
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "miles_runner.cli", "+recipe=tiny_multi_lora", "--plan",
-         f"run.output_root={root}"],
-        check=True, capture_output=True,
+        [sys.executable, "-m", "miles_runner.cli", "+recipe=tiny_multi_lora", "--plan", f"run.output_root={root}"],
+        check=True,
+        capture_output=True,
     )
     return time.perf_counter() - start
 
@@ -45,8 +45,13 @@ def main() -> None:
         imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     marker = imported.stdout.rpartition("HEAVY=")[2].strip()
     heavy = [m for m in marker.split(",") if m]
-    figures = {"runs": args.runs, "median_s": statistics.median(seconds), "min_s": seconds[0], "max_s": seconds[-1],
-               "heavy_modules_imported": heavy}
+    figures = {
+        "runs": args.runs,
+        "median_s": statistics.median(seconds),
+        "min_s": seconds[0],
+        "max_s": seconds[-1],
+        "heavy_modules_imported": heavy,
+    }
     summary = [
         "`miles-run +recipe=tiny_multi_lora --plan` (whole process, compose + checks + plan + files):",
         f"- median {figures['median_s']:.3f} s over {args.runs} runs (min {seconds[0]:.3f}, max {seconds[-1]:.3f});"

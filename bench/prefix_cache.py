@@ -89,12 +89,17 @@ def measure(sessions: int, turns: int, repeats: int) -> dict:
     first = runs["cache"][0]
     return {
         "model": "tiny-moe (Qwen3-MoE, 2 layers, hidden 64, 8 experts, top-2)",
-        "sessions": sessions, "turns": turns, "user_tokens_per_turn": USER_TOKENS, "new_tokens_per_turn": NEW_TOKENS,
-        "repeats": repeats, "runs": runs, "medians": medians,
+        "sessions": sessions,
+        "turns": turns,
+        "user_tokens_per_turn": USER_TOKENS,
+        "new_tokens_per_turn": NEW_TOKENS,
+        "repeats": repeats,
+        "runs": runs,
+        "medians": medians,
         "cached_share": round(first["cached_tokens"] / first["prompt_tokens"], 3),
         "cpu_ratio": round(medians["cache"]["engine_cpu_s"] / medians["no cache"]["engine_cpu_s"], 3),
         "wall_ratio": round(medians["cache"]["wall_s"] / medians["no cache"]["wall_s"], 3),
-    }  # fmt: skip
+    }
 
 
 def write_report(results: dict) -> None:

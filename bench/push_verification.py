@@ -32,11 +32,19 @@ from miles_runner.procs.ports import free_port
 def miles_run(root: Path, recipe: str, steps: int, *overrides: str, fault: bool = False) -> tuple[int, str, list]:
     """(exit code, stderr, metrics records) of one run of `recipe`."""
     env = {**os.environ, "WANDB_MODE": "disabled", FREEZE_ROLLOUT_ADAPTER: "1" if fault else "0"}
-    args = [f"+recipe={recipe}", f"run.output_root={root}", "logger=none", f"algorithm.num_steps={steps}",
-            f"engine.base_port={free_port()}", f"session.port={free_port()}", f"adapters.api_port={free_port()}",
-            *overrides]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True,
-                          text=True)  # fmt: skip
+    args = [
+        f"+recipe={recipe}",
+        f"run.output_root={root}",
+        "logger=none",
+        f"algorithm.num_steps={steps}",
+        f"engine.base_port={free_port()}",
+        f"session.port={free_port()}",
+        f"adapters.api_port={free_port()}",
+        *overrides,
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_runner.cli.main", *args], env=env, capture_output=True, text=True
+    )
     files = list(root.rglob("metrics.jsonl"))
     rows = [json.loads(line) for line in files[0].read_text().splitlines()] if files else []
     return done.returncode, done.stderr, rows
@@ -73,8 +81,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="push-verification-"))
     figures = {"steps": steps, "healthy": healthy(root / "healthy", steps), "frozen": frozen(root / "frozen", steps)}
     h, f = figures["healthy"], figures["frozen"]
-    ms = {key: 1000 * h[key]["median"] for key in ("verify/seconds", "sync/verify_seconds", "sync/seconds",
-                                                     "train/seconds")}  # fmt: skip
+    ms = {
+        key: 1000 * h[key]["median"]
+        for key in ("verify/seconds", "sync/verify_seconds", "sync/seconds", "train/seconds")
+    }
     lines = [
         f"`tiny_lora_agentic`, {steps} steps; default tolerance 0.01 on the embedded engine.",
         "",

@@ -53,10 +53,17 @@ def turn_lengths(turns: int, seed: int = 0) -> list[tuple[int, int]]:
 def make_record(prompt_ids: list[int], output_ids: list[int], start: int, routing: np.ndarray) -> SessionRecord:
     """One turn as the session server records it under incremental R3."""
     request = {"input_ids": prompt_ids, "return_routed_experts": True, "routed_experts_start_len": start}
-    meta_info = {"output_token_logprobs": [[-0.5, token, None] for token in output_ids],
-                 "routed_experts": encode_routed_experts(routing), "completion_tokens": len(output_ids)}  # fmt: skip
-    choice = {"index": 0, "message": {"role": "assistant", "content": "..."}, "finish_reason": "tool_calls",
-              "meta_info": meta_info}  # fmt: skip
+    meta_info = {
+        "output_token_logprobs": [[-0.5, token, None] for token in output_ids],
+        "routed_experts": encode_routed_experts(routing),
+        "completion_tokens": len(output_ids),
+    }
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "..."},
+        "finish_reason": "tool_calls",
+        "meta_info": meta_info,
+    }
     return SessionRecord(1.0, 0.5, "POST", "/v1/chat/completions", request, {"choices": [choice]}, 200)
 
 
@@ -104,13 +111,20 @@ def measure(repeats: int) -> dict[str, Any]:
     nbytes = routing.nbytes
     gbs = {key: nbytes / value / 1e9 for key, value in seconds.items()}
     return {
-        "turns": TURNS, "num_layers": NUM_LAYERS, "topk": TOPK, "repeats": repeats, "tokens": required_rows + 1,
-        "rows": required_rows, "bytes": nbytes,
+        "turns": TURNS,
+        "num_layers": NUM_LAYERS,
+        "topk": TOPK,
+        "repeats": repeats,
+        "tokens": required_rows + 1,
+        "rows": required_rows,
+        "bytes": nbytes,
         "base64_chars": sum(len(r.meta_info["routed_experts"]) for r in records),
-        "seconds": seconds, "gbs": gbs, "merge_fraction_of_copy": gbs["merge"] / gbs["copy"],
+        "seconds": seconds,
+        "gbs": gbs,
+        "merge_fraction_of_copy": gbs["merge"] / gbs["copy"],
         "merge_fraction_of_warm_copy": gbs["merge"] / gbs["copy_warm"],
         "merge_fraction_of_copy_per_repeat": {"min": min(fractions), "max": max(fractions)},
-    }  # fmt: skip
+    }
 
 
 def summary(f: dict[str, Any]) -> list[str]:

@@ -25,8 +25,16 @@ def write_result(name: str, figures: dict[str, Any], summary: list[str]) -> Path
     stamp = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"name": name, "measured": stamp, "machine": machine(), **figures}, indent=2))
-    section = "\n".join([f"<!-- {name} -->", f"## {name}", f"_measured {stamp} on {machine()['cpus']} cores_", "",
-                         *summary, f"<!-- /{name} -->"])
+    section = "\n".join(
+        [
+            f"<!-- {name} -->",
+            f"## {name}",
+            f"_measured {stamp} on {machine()['cpus']} cores_",
+            "",
+            *summary,
+            f"<!-- /{name} -->",
+        ]
+    )
     text = REPORT.read_text() if REPORT.exists() else "# Benchmark report\n\nFigures written by `make bench`.\n"
     pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"

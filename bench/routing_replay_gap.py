@@ -39,8 +39,10 @@ def after_training(plan, samples, steps: tuple[int, ...]) -> dict[int, dict]:
 
 def row(case: str, figures: dict) -> str:
     replay, own = figures["replay"], figures["own routing"]
-    return (f"| {case} | {replay['diff_frac']:.3f} | {replay['mean']:.2e} / {replay['max']:.2e} "
-            f"| {own['mean']:.2e} / {own['max']:.2e} | {own['mean'] / max(replay['mean'], 1e-12):.1f}x |")
+    return (
+        f"| {case} | {replay['diff_frac']:.3f} | {replay['mean']:.2e} / {replay['max']:.2e} "
+        f"| {own['mean']:.2e} / {own['max']:.2e} | {own['mean'] / max(replay['mean'], 1e-12):.1f}x |"
+    )
 
 
 def main() -> None:
@@ -61,9 +63,12 @@ def main() -> None:
         *(row("routers as at rollout" if s == 0 else f"gate weights + N(0, {s}^2)", noise[s]) for s in ROUTER_NOISE),
         *(row(f"after {n} GRPO step{'s' * (n > 1)} (lr {plan.adapters[0].lr})", trained[n]) for n in TRAIN_STEPS),
     ]
-    results = {"samples": len(samples), "response_tokens": tokens,
-               "router_noise": {str(s): noise[s] for s in ROUTER_NOISE},
-               "grpo_steps": {str(n): trained[n] for n in TRAIN_STEPS}}  # fmt: skip
+    results = {
+        "samples": len(samples),
+        "response_tokens": tokens,
+        "router_noise": {str(s): noise[s] for s in ROUTER_NOISE},
+        "grpo_steps": {str(n): trained[n] for n in TRAIN_STEPS},
+    }
     print(write_result("routing_replay_gap", results, lines))
 
 

@@ -139,8 +139,13 @@ def compare(collected: Collected) -> dict:
 
 async def run() -> dict:
     rounds = {str(concurrency): count for concurrency, count in ROUNDS.items()}
-    results = {"turns_per_agent": TURNS, "max_tokens": MAX_TOKENS, "rounds": rounds, "passes": PASSES,
-               "by_concurrency": {}}  # fmt: skip
+    results = {
+        "turns_per_agent": TURNS,
+        "max_tokens": MAX_TOKENS,
+        "rounds": rounds,
+        "passes": PASSES,
+        "by_concurrency": {},
+    }
     passes: dict[int, list[Collected]] = {concurrency: [] for concurrency in CONCURRENCY}
     with engine_and_session_server(session_flags=[]) as (engine_url, server_url):
         await measure(engine_url, server_url, CONCURRENCY[-1], through_session=True)  # warm-up
@@ -159,7 +164,8 @@ def main() -> None:
     low, high = (results["by_concurrency"][str(c)] for c in CONCURRENCY)
     lines = [
         f"Per-turn latency, {TURNS}-turn agents, max_tokens={MAX_TOKENS}, tiny-moe on the embedded engine (CPU), "
-        "interleaved rounds each way: " + ", ".join(f"{n} at concurrency {c}" for c, n in ROUNDS.items())
+        "interleaved rounds each way: "
+        + ", ".join(f"{n} at concurrency {c}" for c, n in ROUNDS.items())
         + f"; {PASSES} passes over both, pooled (each pass's figures below the table); sessions deleted after "
         "their agent's last turn, as the agentic rollout does.",
         "",
@@ -176,8 +182,9 @@ def main() -> None:
         )
     lines.append("")
     for concurrency, row in results["by_concurrency"].items():
-        p50s, p99s, ratios = zip(*((p["added_p50_ms"], p["added_p99_fraction"], p["throughput_ratio"])
-                                   for p in row["per_pass"]), strict=True)  # fmt: skip
+        p50s, p99s, ratios = zip(
+            *((p["added_p50_ms"], p["added_p99_fraction"], p["throughput_ratio"]) for p in row["per_pass"]), strict=True
+        )
         lines.append(
             f"- concurrency {concurrency}, per pass: added p50 {', '.join(map(str, p50s))} ms; added p99 / direct p99 "
             f"{', '.join(f'{x:.1%}' for x in p99s)}; throughput ratio {', '.join(f'{x:.2f}' for x in ratios)}"

@@ -26,9 +26,16 @@ from typing import Any
 from bench.report import write_result
 
 REPO = Path(__file__).resolve().parents[1]
-WORK = ["+recipe=tiny_lora_agentic", "session=off", "rollout.task=count", "rollout.reward=exact_match",
-        "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=8", "rollout.max_response_len=8",
-        "logger=none"]
+WORK = [
+    "+recipe=tiny_lora_agentic",
+    "session=off",
+    "rollout.task=count",
+    "rollout.reward=exact_match",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=8",
+    "rollout.max_response_len=8",
+    "logger=none",
+]
 STEP_PARTS = ("step/seconds", "rollout/seconds", "train/seconds", "sync/seconds", "verify/seconds")
 # (name, from milestone, to milestone); "process_start"/"process_end" are the bench's own clock.
 STARTUP_PARTS = (
@@ -41,18 +48,31 @@ STARTUP_PARTS = (
     ("shutdown", "loop_ended", "process_end"),
 )
 # Not a share of the sum: the trainer is built while the engines start (CPU, one rank; loops/single_adapter.py).
-OVERLAPPED_PARTS = (("trainer build, from the loop's start (overlaps the engines' start)", "loop_started",
-                     "trainer_built"),)
+OVERLAPPED_PARTS = (
+    ("trainer build, from the loop's start (overlaps the engines' start)", "loop_started", "trainer_built"),
+)
 
 
 def run_once(steps: int, overrides: list[str], run_dir: Path, repo: Path = REPO) -> dict[str, Any]:
     """One miles-run process of the checkout `repo` (another one's code: before/after figures): its wall time,
     per-step records and start-up milestones."""
-    env = {**os.environ, "MILES_CACHE_DIR": os.environ.get("MILES_CACHE_DIR", str(REPO / ".cache")),
-           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "PYTHONPATH": str(repo)}
-    command = [sys.executable, "-m", "miles_runner.cli.main", *WORK, f"algorithm.num_steps={steps}", *overrides,
-               f"hydra.run.dir={run_dir}"]
+    env = {
+        **os.environ,
+        "MILES_CACHE_DIR": os.environ.get("MILES_CACHE_DIR", str(REPO / ".cache")),
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "PYTHONPATH": str(repo),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "miles_runner.cli.main",
+        *WORK,
+        f"algorithm.num_steps={steps}",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     started = time.time()
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     ended = time.time()
@@ -69,8 +89,11 @@ def step_figures(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def startup_figures(stamps: dict[str, float]) -> dict[str, float]:
-    return {name: stamps[end] - stamps[begin] for name, begin, end in STARTUP_PARTS + OVERLAPPED_PARTS
-            if begin in stamps and end in stamps}
+    return {
+        name: stamps[end] - stamps[begin]
+        for name, begin, end in STARTUP_PARTS + OVERLAPPED_PARTS
+        if begin in stamps and end in stamps
+    }
 
 
 def measure(runs: int, steps: int, overrides: list[str], repo: Path = REPO) -> dict[str, Any]:
@@ -78,25 +101,36 @@ def measure(runs: int, steps: int, overrides: list[str], repo: Path = REPO) -> d
     with tempfile.TemporaryDirectory(prefix="single-turn-step-") as tmp:
         for index in range(runs):
             outcome = run_once(steps, overrides, Path(tmp) / f"run{index}", repo)
-            per_run.append({"wall_s": outcome["wall_s"], "step": step_figures(outcome["records"]),
-                            "startup": startup_figures(outcome["stamps"]),
-                            "final_reward": outcome["records"][-1]["reward/mean"],
-                            "rewards": [r["reward/mean"] for r in outcome["records"]]})
+            per_run.append(
+                {
+                    "wall_s": outcome["wall_s"],
+                    "step": step_figures(outcome["records"]),
+                    "startup": startup_figures(outcome["stamps"]),
+                    "final_reward": outcome["records"][-1]["reward/mean"],
+                    "rewards": [r["reward/mean"] for r in outcome["records"]],
+                }
+            )
     median = statistics.median
     return {
         "work": [*WORK, f"algorithm.num_steps={steps}", *overrides],
         "runs": per_run,
         "step_median_s": {k: median(r["step"][k] for r in per_run) for k in STEP_PARTS},
         "wall_median_s": median(r["wall_s"] for r in per_run),
-        "startup_median_s": {k: median(r["startup"].get(k, 0.0) for r in per_run)
-                             for k, *_ in STARTUP_PARTS + OVERLAPPED_PARTS},
+        "startup_median_s": {
+            k: median(r["startup"].get(k, 0.0) for r in per_run) for k, *_ in STARTUP_PARTS + OVERLAPPED_PARTS
+        },
     }
 
 
 def summary(figures: dict[str, Any]) -> list[str]:
     step, runs = figures["step_median_s"], figures["runs"]
-    lines = [f"`miles-run {' '.join(figures['work'])}`, {len(runs)} run(s); medians over steps 2.. of each run, "
-             "then over runs.", "", "| per step | seconds |", "|---|---|"]
+    lines = [
+        f"`miles-run {' '.join(figures['work'])}`, {len(runs)} run(s); medians over steps 2.. of each run, "
+        "then over runs.",
+        "",
+        "| per step | seconds |",
+        "|---|---|",
+    ]
     lines += [f"| {key} | {value:.3f} |" for key, value in step.items()]
     lines += ["", f"Whole process: {figures['wall_median_s']:.1f} s. Start-up:", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {name} | {value:.2f} |" for name, value in figures["startup_median_s"].items()]

@@ -22,8 +22,15 @@ class RanksFailed(AssertionError):
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    return {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank),
-            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def run_ranks(argv: Sequence[str], world_size: int, timeout_s: float, what: str) -> None:
@@ -34,12 +41,17 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout_s: float, what: str)
         procs = []
         for rank, output in enumerate(outputs):
             with output.open("wb") as sink:
-                procs.append(subprocess.Popen(list(argv), env=rank_env(rank, world_size, port), stdout=sink,
-                                              stderr=subprocess.STDOUT))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        list(argv), env=rank_env(rank, world_size, port), stdout=sink, stderr=subprocess.STDOUT
+                    )
+                )
         codes = wait_all(procs, timeout_s)
         if codes != [0] * world_size:
-            tails = "\n".join(f"--- rank {rank} (exit {code}) ---\n{output.read_text(errors='replace')[-TAIL_CHARS:]}"
-                              for rank, (code, output) in enumerate(zip(codes, outputs, strict=True)))  # fmt: skip
+            tails = "\n".join(
+                f"--- rank {rank} (exit {code}) ---\n{output.read_text(errors='replace')[-TAIL_CHARS:]}"
+                for rank, (code, output) in enumerate(zip(codes, outputs, strict=True))
+            )
             raise RanksFailed(f"{what}: ranks exited {codes}\n{tails}")
 
 

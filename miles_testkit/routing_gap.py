@@ -47,9 +47,21 @@ def r3_engine(plan: Plan, log_dir: Path, extra_args: Sequence[str] = ()) -> Iter
     """The embedded engine on the plan's model with routed experts on (base model, no adapter unless `extra_args`
     enable LoRA); yields its URL."""
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", plan.model_path, "--host", LOOPBACK,
-            "--port", str(port), "--random-seed", str(plan.seed), "--enable-return-routed-experts",
-            *extra_args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        plan.model_path,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--random-seed",
+        str(plan.seed),
+        "--enable-return-routed-experts",
+        *extra_args,
+    ]
     engine = start_engine(argv, port=port, log_path=Path(log_dir) / "engine.log", timeout_s=180)
     try:
         yield f"http://{LOOPBACK}:{port}"
@@ -119,8 +131,9 @@ def measure(ours: dict[str, Any], samples: list[Sample]) -> dict[str, dict[str, 
     return measured
 
 
-def measure_gaps(plan: Plan, samples: list[Sample], router_scales: tuple[float, ...],
-                 factory: TrainerFactory = FSDPTrainer) -> dict[float, dict]:  # fmt: skip
+def measure_gaps(
+    plan: Plan, samples: list[Sample], router_scales: tuple[float, ...], factory: TrainerFactory = FSDPTrainer
+) -> dict[float, dict]:
     """Per router move (0: as at rollout): {scale: measure(...)}, on fresh trainers; the moves accumulate in the
     order given."""
     measured = {}

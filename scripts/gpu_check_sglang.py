@@ -24,11 +24,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # Tiny model (head_dim 16): the triton attention backend takes any head size; no CUDA graphs for a fast start.
 SGLANG_GPU_FLAGS = [
-    "--attention-backend", "triton",
+    "--attention-backend",
+    "triton",
     "--disable-cuda-graph",
-    "--mem-fraction-static", "0.3",
-    "--random-seed", "0",
-]  # fmt: skip
+    "--mem-fraction-static",
+    "0.3",
+    "--random-seed",
+    "0",
+]
 # SGLang serves a float32 checkpoint in half precision (dtype auto): two runs of one request differ slightly.
 SGLANG_LOGPROB_TOL = 0.05
 

@@ -35,10 +35,18 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # The shared fixtures that start a server process (tests/*/conftest.py). A test that uses one, directly or through
 # another fixture, is an integration test, which `make test-fast` leaves out; modules that start processes their
 # own way carry `pytestmark = pytest.mark.integration`.
-SERVER_FIXTURES = frozenset({
-    "engine", "plain_engine", "contract_engine_url", "lora_engine", "engine_url_for_sync", "engine_url",
-    "start_session_server", "slurm_cluster",
-})  # fmt: skip
+SERVER_FIXTURES = frozenset(
+    {
+        "engine",
+        "plain_engine",
+        "contract_engine_url",
+        "lora_engine",
+        "engine_url_for_sync",
+        "engine_url",
+        "start_session_server",
+        "slurm_cluster",
+    }
+)
 
 
 MEMO_FOLDER = pytest.StashKey[str]()

@@ -62,5 +62,6 @@ def run_miles(work: Work, row: Row, run_dir: Path, timeout_s: float = 900) -> Si
 
 def step_record(metrics: dict, wall_s: float | None) -> StepRecord:
     sync_s = (metrics.get("sync/seconds") or 0.0) + (metrics.get("verify/seconds") or 0.0)
-    return StepRecord(metrics["step"], wall_s, metrics["reward/mean"], metrics["rollout/seconds"],
-                      metrics["train/seconds"], sync_s)
+    return StepRecord(
+        metrics["step"], wall_s, metrics["reward/mean"], metrics["rollout/seconds"], metrics["train/seconds"], sync_s
+    )

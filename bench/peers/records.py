@@ -44,8 +44,10 @@ class SideRun:
     def median(self, attribute: str = "wall_s") -> float:
         values = [getattr(s, attribute) for s in self.steady()]
         if not values or None in values:
-            raise ValueError(f"{self.side}/{self.row}: no {attribute} after the warm-up step ({len(self.steps)} "
-                             "steps; run at least 2: --steps)")
+            raise ValueError(
+                f"{self.side}/{self.row}: no {attribute} after the warm-up step ({len(self.steps)} "
+                "steps; run at least 2: --steps)"
+            )
         return statistics.median(values)
 
     def rewards(self) -> list[float]:

@@ -31,10 +31,21 @@ Runs = list[dict[str, dict[str, SideRun]]]  # per run: row -> side ("trl" | "mil
 
 
 def machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_before": [round(x, 2) for x in load_before]}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_before": [round(x, 2) for x in load_before],
+    }
 
 
 def main_versions() -> dict[str, str]:
@@ -62,28 +73,33 @@ def row_figures(runs: Runs, row: str) -> dict[str, Any]:
     for side in ("trl", "miles"):
         sides = [run[row][side] for run in runs]
         figures[side] = {
-            "step_s": [s.median() for s in sides], "process_s": [s.process_s for s in sides],
+            "step_s": [s.median() for s in sides],
+            "process_s": [s.process_s for s in sides],
             "final_reward": [s.rewards()[-1] for s in sides],
             "last3_reward": [statistics.fmean(s.rewards()[-3:]) for s in sides],
             "rewards": [s.rewards() for s in sides],
-        }  # fmt: skip
+        }
         if all(step.other_s is not None for s in sides for step in s.steady()):  # a breakdown measured
             for part in PARTS:
                 figures[side][part] = [s.median(part) for s in sides]
     figures["ratio_step"] = [m / t for m, t in zip(figures["miles"]["step_s"], figures["trl"]["step_s"], strict=True)]
-    figures["ratio_process"] = [m / t for m, t in
-                                zip(figures["miles"]["process_s"], figures["trl"]["process_s"], strict=True)]
+    figures["ratio_process"] = [
+        m / t for m, t in zip(figures["miles"]["process_s"], figures["trl"]["process_s"], strict=True)
+    ]
     return figures
 
 
 def time_table(figures: dict[str, dict[str, Any]]) -> list[str]:
-    lines = ["| row | side | time per step, s | rollout | train | sync | other | whole process, s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | side | time per step, s | rollout | train | sync | other | whole process, s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row, f in figures.items():
         for side, name in (("trl", "TRL `GRPOTrainer` + peft"), ("miles", "`miles-run`")):
             parts = " | ".join(fmt(f[side][part]) if part in f[side] else "" for part in PARTS)
-            lines.append(f"| {ROWS[row].title} | {name} | {fmt(f[side]['step_s'])} | {parts} | "
-                         f"{fmt(f[side]['process_s'], 1)} |")
+            lines.append(
+                f"| {ROWS[row].title} | {name} | {fmt(f[side]['step_s'])} | {parts} | {fmt(f[side]['process_s'], 1)} |"
+            )
     return lines
 
 
@@ -99,8 +115,9 @@ def reward_table(figures: dict[str, dict[str, Any]], steps: int) -> list[str]:
     lines = [f"| row | side | reward at step {steps} | mean of the last 3 steps |", "|---|---|---|---|"]
     for row, f in figures.items():
         for side, name in (("trl", "TRL"), ("miles", "miles-run")):
-            lines.append(f"| {ROWS[row].title} | {name} | {fmt(f[side]['final_reward'])} | "
-                         f"{fmt(f[side]['last3_reward'])} |")
+            lines.append(
+                f"| {ROWS[row].title} | {name} | {fmt(f[side]['final_reward'])} | {fmt(f[side]['last3_reward'])} |"
+            )
     return lines
 
 
@@ -111,10 +128,12 @@ def targets(figures: dict[str, dict[str, Any]]) -> list[str]:
     ratio = statistics.median(f["ratio_step"])
     ours, theirs = (statistics.fmean(f[s]["last3_reward"]) for s in ("miles", "trl"))
     met = {True: "met", False: "not met"}
-    return [f"- single-turn time per step ≤ {SINGLE_TURN_TARGET}× TRL's: **{met[ratio <= SINGLE_TURN_TARGET]}** "
-            f"({ratio:.2f}×)",
-            f"- reward after the same steps ≥ TRL's (mean of the last 3 steps, over the runs): "
-            f"**{met[ours >= theirs]}** ({ours:.3f} vs {theirs:.3f})"]  # fmt: skip
+    return [
+        f"- single-turn time per step ≤ {SINGLE_TURN_TARGET}× TRL's: **{met[ratio <= SINGLE_TURN_TARGET]}** "
+        f"({ratio:.2f}×)",
+        f"- reward after the same steps ≥ TRL's (mean of the last 3 steps, over the runs): "
+        f"**{met[ours >= theirs]}** ({ours:.3f} vs {theirs:.3f})",
+    ]
 
 
 def plot(figures: dict[str, dict[str, Any]], path: Path) -> None:
@@ -145,22 +164,28 @@ def plot(figures: dict[str, dict[str, Any]], path: Path) -> None:
 def work_lines(context: dict[str, Any]) -> list[str]:
     work, peers = context["work"], context["peers"]
     peer = next(iter(peers.values()))
-    lines = [f"- Model: `{peer['model_path']}` (the recipe's `tiny:tiny-moe:format`: a 2-layer Qwen3-MoE, hidden 64, "
-             "8 experts top-2, format-pretrained), built once by miles-run's own executor code and loaded by both.",
-             f"- Each step: {work['prompts']} prompts × {work['samples']} samples, at most {work['max_new_tokens']} "
-             f"new tokens per turn, temperature {work['temperature']}, top-p 1; one optimizer step (Adam, lr "
-             f"{work['lr']} constant, betas {tuple(peer['adam_betas'])}, grad clip {peer['clip_grad']}); GRPO with "
-             f"std-normalised group advantages, per-sample loss, clip {peer['eps_clip']}/{peer['eps_clip_high']}, no "
-             f"KL, no MoE aux loss; LoRA r{work['lora_rank']}/α{work['lora_alpha']} on {', '.join(work['targets'])}.",
-             f"- {work['steps']} steps, seed {work['seed']} (miles `run.seed`, TRL `seed`); the prompts of step k are "
-             "the task's prompts 8k..8k+7 on both sides (miles' data cursor; TRL `shuffle_dataset=False`)."]
+    lines = [
+        f"- Model: `{peer['model_path']}` (the recipe's `tiny:tiny-moe:format`: a 2-layer Qwen3-MoE, hidden 64, "
+        "8 experts top-2, format-pretrained), built once by miles-run's own executor code and loaded by both.",
+        f"- Each step: {work['prompts']} prompts × {work['samples']} samples, at most {work['max_new_tokens']} "
+        f"new tokens per turn, temperature {work['temperature']}, top-p 1; one optimizer step (Adam, lr "
+        f"{work['lr']} constant, betas {tuple(peer['adam_betas'])}, grad clip {peer['clip_grad']}); GRPO with "
+        f"std-normalised group advantages, per-sample loss, clip {peer['eps_clip']}/{peer['eps_clip_high']}, no "
+        f"KL, no MoE aux loss; LoRA r{work['lora_rank']}/α{work['lora_alpha']} on {', '.join(work['targets'])}.",
+        f"- {work['steps']} steps, seed {work['seed']} (miles `run.seed`, TRL `seed`); the prompts of step k are "
+        "the task's prompts 8k..8k+7 on both sides (miles' data cursor; TRL `shuffle_dataset=False`).",
+    ]
     threads = context.get("trl_threads", 1)
-    lines.append("- Threads: miles-run runs each of its processes (engine, trainer) on one torch intra-op thread; the "
-                 f"TRL process gets {threads or 'torch’s default number of'} (`--trl-threads`; 0: torch's default, "
-                 "one per core, far slower when other processes share the cores).")
+    lines.append(
+        "- Threads: miles-run runs each of its processes (engine, trainer) on one torch intra-op thread; the "
+        f"TRL process gets {threads or 'torch’s default number of'} (`--trl-threads`; 0: torch's default, "
+        "one per core, far slower when other processes share the cores)."
+    )
     for row, peer in peers.items():
-        lines.append(f"- {ROWS[row].title}: task `{peer['task']}`, reward `{peer['reward']}` (the project's "
-                     f"registered function, called by both), up to {peer['max_turns']} turn(s).")
+        lines.append(
+            f"- {ROWS[row].title}: task `{peer['task']}`, reward `{peer['reward']}` (the project's "
+            f"registered function, called by both), up to {peer['max_turns']} turn(s)."
+        )
     return lines
 
 
@@ -169,16 +194,24 @@ def trl_settings_line(context: dict[str, Any]) -> str:
 
     peer = PeerWork.from_json(json.dumps(next(iter(context["peers"].values()))))
     settings = ", ".join(f"{k}={v!r}" for k, v in grpo_settings(peer).items())
-    return (f"TRL's `GRPOConfig` (`bench/peers/trl_side.py`, `grpo_settings`): {settings}; peft `LoraConfig(r="
-            f"{peer.lora_rank}, lora_alpha={peer.lora_alpha}, lora_dropout=0.0, target_modules={peer.targets})`.")
+    return (
+        f"TRL's `GRPOConfig` (`bench/peers/trl_side.py`, `grpo_settings`): {settings}; peft `LoraConfig(r="
+        f"{peer.lora_rank}, lora_alpha={peer.lora_alpha}, lora_dropout=0.0, target_modules={peer.targets})`."
+    )
 
 
 def command_lines(runs: Runs) -> list[str]:
-    lines = ["```", "make bench-peers   # 3 runs of 10 steps, both rows: this file, bench/results/peers.json, the plot",
-             '# a quick check that leaves them alone (about a minute a row):',
-             'make bench-peers PEERS_ARGS="--runs 1 --steps 3 --out /tmp/peers.md --results /tmp/peers"',
-             ".venv/bin/python -m bench.peers.report   # this file again from bench/results/peers.json", "```", "",
-             "What each side ran (first run; ports and folders differ per run):", ""]
+    lines = [
+        "```",
+        "make bench-peers   # 3 runs of 10 steps, both rows: this file, bench/results/peers.json, the plot",
+        "# a quick check that leaves them alone (about a minute a row):",
+        'make bench-peers PEERS_ARGS="--runs 1 --steps 3 --out /tmp/peers.md --results /tmp/peers"',
+        ".venv/bin/python -m bench.peers.report   # this file again from bench/results/peers.json",
+        "```",
+        "",
+        "What each side ran (first run; ports and folders differ per run):",
+        "",
+    ]
     for row, sides in runs[0].items():
         for side in ("trl", "miles"):
             lines += [f"- {ROWS[row].title}, {side}:", "", "  ```", f"  {' '.join(sides[side].command)}", "  ```"]
@@ -188,8 +221,10 @@ def command_lines(runs: Runs) -> list[str]:
 def write_report(runs: Runs, context: dict[str, Any], out: Path, results_dir: Path = RESULTS_DIR) -> None:
     """`context`: machine, started (a timestamp), work and peers (as dicts), versions (main, peers)."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    raw = {"context": context, "runs": [{row: {side: r.to_dict() for side, r in s.items()} for row, s in run.items()}
-                                        for run in runs]}  # fmt: skip
+    raw = {
+        "context": context,
+        "runs": [{row: {side: r.to_dict() for side, r in s.items()} for row, s in run.items()} for run in runs],
+    }
     (results_dir / RESULTS_JSON.name).write_text(json.dumps(raw, indent=1))  # kept even if the report fails
     figures = {row: row_figures(runs, row) for row in runs[0]}
     plot_path = results_dir / PLOT.name
@@ -201,16 +236,24 @@ def report_lines(runs: Runs, context: dict[str, Any], figures: dict[str, Any], p
     m, versions, steps = context["machine"], context["versions"], context["work"]["steps"]
     stamp = dt.datetime.fromtimestamp(context["started"]).astimezone().isoformat(timespec="seconds")
     return [
-        "# Benchmarks: `miles-run` against TRL's `GRPOTrainer` + peft", "",
-        f"_Written by `make bench-peers` (bench/peers/) on {stamp}; regenerate rather than edit._", "",
-        "## Machine", "",
+        "# Benchmarks: `miles-run` against TRL's `GRPOTrainer` + peft",
+        "",
+        f"_Written by `make bench-peers` (bench/peers/) on {stamp}; regenerate rather than edit._",
+        "",
+        "## Machine",
+        "",
         f"- {m['cpu']}, {m['cores']} cores; {m['platform']}; load average (1/5/15 min) {m['load_before']} "
         f"before, {m.get('load_after')} after. Both sides share the machine with whatever else runs: compare the "
         "ratios, which are measured within one run, where the two sides ran back to back.",
         f"- main venv (miles-run): {', '.join(f'{k} {v}' for k, v in versions['main'].items())}",
-        f"- peers venv (.venv-peers, TRL): {', '.join(f'{k} {v}' for k, v in versions['peers'].items())}", "",
-        "## The work", "", *work_lines(context), "",
-        "## Time per step", "",
+        f"- peers venv (.venv-peers, TRL): {', '.join(f'{k} {v}' for k, v in versions['peers'].items())}",
+        "",
+        "## The work",
+        "",
+        *work_lines(context),
+        "",
+        "## Time per step",
+        "",
         f"{len(runs)} runs of {steps} steps per side and row. A step's time is from the end of the previous step to "
         "the end of this one (miles: its `step k/N` lines; TRL: a TrainerCallback's `on_step_end`); the first step "
         "(warm-up) is left out. Each figure: the median over the runs of each run's median, with the min–max over "
@@ -220,27 +263,47 @@ def report_lines(runs: Runs, context: dict[str, Any], figures: dict[str, Any], p
         "the multi-turn loop), train = the rest of the step body (rewards, advantages, forward, backward, optimizer "
         "step), no sync (it trains the model it generates with), other = logging and data loading between steps. "
         "Whole process: the subprocess from start to exit (imports, model load, server "
-        "start and stop for miles).", "",
-        *time_table(figures), "",
-        "Ratios, miles / TRL, each measured within one run:", "", *ratio_table(figures), "",
-        "## Reward", "",
+        "start and stop for miles).",
+        "",
+        *time_table(figures),
+        "",
+        "Ratios, miles / TRL, each measured within one run:",
+        "",
+        *ratio_table(figures),
+        "",
+        "## Reward",
+        "",
         f"Batch reward (the mean over the step's 64 samples, before that step's update), over the {len(runs)} runs. "
         "The samples differ between the sides from the first step (each has its own sampler and RNG streams; the "
         "seed fixes each side's own run), and a few steps move the reward little (count's chance level is 1/6): "
         "`--steps 40` (the recipe's length) shows the learning curves.",
-        "", *reward_table(figures, steps), "", f"![reward per step]({plot_link})", "",
-        "## Issue 14 targets (from this run)", "", *targets(figures), "",
-        "## How TRL plays the agentic task", "",
+        "",
+        *reward_table(figures, steps),
+        "",
+        f"![reward per step]({plot_link})",
+        "",
+        "## Issue 14 targets (from this run)",
+        "",
+        *targets(figures),
+        "",
+        "## How TRL plays the agentic task",
+        "",
         "TRL 1.16's built-in multi-turn support is tool calling (`tools`, `environment_factory`): the model must emit "
         "tool calls its chat template parses, and the answer comes back as a tool message. The recipe's task "
-        "(`count_retry`) answers as the user does (\"Wrong. Reply with a single number.\"), which tool calling "
+        '(`count_retry`) answers as the user does ("Wrong. Reply with a single number."), which tool calling '
         "cannot express, so the TRL side uses GRPOTrainer's `rollout_func` (experimental in 1.16) with the feedback "
         "loop written in bench/peers/trl_rollout.py on TRL's own generation (`_generate_single_turn`): one token "
         "stream per sample (prompt | reply | feedback | reply), the feedback masked out of the loss (`env_mask`), "
         "the same reward function on every reply. miles-run plays it through its session server (the "
-        "`feedback_loop` agent over the OpenAI-style API).", "",
-        "## Commands", "", *command_lines(runs), "", trl_settings_line(context), "",
-    ]  # fmt: skip
+        "`feedback_loop` agent over the OpenAI-style API).",
+        "",
+        "## Commands",
+        "",
+        *command_lines(runs),
+        "",
+        trl_settings_line(context),
+        "",
+    ]
 
 
 def main() -> None:
@@ -250,8 +313,10 @@ def main() -> None:
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS_JSON
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else RESULTS_DIR.parent.parent / "BENCHMARKS.md"
     raw = json.loads(source.read_text())
-    runs = [{row: {side: SideRun.from_dict(r) for side, r in sides.items()} for row, sides in run.items()}
-            for run in raw["runs"]]
+    runs = [
+        {row: {side: SideRun.from_dict(r) for side, r in sides.items()} for row, sides in run.items()}
+        for run in raw["runs"]
+    ]
     write_report(runs, raw["context"], out, source.parent)
 
 

@@ -95,8 +95,11 @@ def measure(args: argparse.Namespace, work: Work, rows: list[Row], scratch: Path
             for run in (trl, miles):
                 run.command = [shown(arg, scratch) for arg in run.command]
             sides[row.name] = {"trl": trl, "miles": miles}
-            print(f"run {index + 1}/{args.runs} {row.name}: TRL {trl.median():.3f} s/step, "
-                  f"miles {miles.median():.3f} s/step", flush=True)
+            print(
+                f"run {index + 1}/{args.runs} {row.name}: TRL {trl.median():.3f} s/step, "
+                f"miles {miles.median():.3f} s/step",
+                flush=True,
+            )
         runs.append(sides)
     return runs, peers, peer_versions
 
@@ -107,10 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     started, load_before = time.time(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as folder:
         runs, peers, peer_versions = measure(args, work, rows, Path(folder))
-    context = {"machine": {**machine(load_before), "load_after": [round(x, 2) for x in os.getloadavg()]},
-               "trl_threads": args.trl_threads, "started": started, "work": asdict(work),
-               "peers": {k: asdict(v) for k, v in peers.items()},
-               "versions": {"main": main_versions(), "peers": peer_versions}}
+    context = {
+        "machine": {**machine(load_before), "load_after": [round(x, 2) for x in os.getloadavg()]},
+        "trl_threads": args.trl_threads,
+        "started": started,
+        "work": asdict(work),
+        "peers": {k: asdict(v) for k, v in peers.items()},
+        "versions": {"main": main_versions(), "peers": peer_versions},
+    }
     write_report(runs, context, args.out, args.results)
     print(f"wrote {args.out} and {args.results / RESULTS_JSON.name}")
 

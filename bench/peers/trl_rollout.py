@@ -43,8 +43,9 @@ class Episode:
 def feedback_ids(tokenizer, feedback: str, reply_closed: bool) -> list[int]:
     """The tokens between a reply and the next: the end of the turn (when the reply did not end it), the user's
     feedback turn and the next assistant header, as the chat template renders them."""
-    turn = tokenizer.apply_chat_template([{"role": "user", "content": feedback}], add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
+    turn = tokenizer.apply_chat_template(
+        [{"role": "user", "content": feedback}], add_generation_prompt=True, tokenize=False
+    )
     text = ("" if reply_closed else IM_END) + "\n" + turn
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -66,8 +67,13 @@ def feedback_rollout(task: Task, prompts: list[Prompt], max_turns: int):
             replies, _ = trainer._generate_single_turn([e.context() for e in live], None, {}, trainer.num_generations)
             for episode, reply in zip(live, replies, strict=True):
                 play(episode, list(reply), task, tokenizer, im_end)
-        return {"prompt_ids": prompt_ids, "completion_ids": [e.completion for e in episodes], "logprobs": None,
-                "env_mask": [e.mask for e in episodes], "replies": [e.replies for e in episodes]}  # fmt: skip
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [e.completion for e in episodes],
+            "logprobs": None,
+            "env_mask": [e.mask for e in episodes],
+            "replies": [e.replies for e in episodes],
+        }
 
     return rollout
 

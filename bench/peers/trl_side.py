@@ -46,16 +46,37 @@ def reward_func(task: Task, name: str, reward: RewardFn):
 def grpo_settings(work: PeerWork) -> dict[str, Any]:
     """GRPOConfig's arguments for the work (plain values: the report lists them, the main venv tests them)."""
     return dict(
-        per_device_train_batch_size=work.prompts * work.samples, gradient_accumulation_steps=1,
-        num_generations=work.samples, max_completion_length=work.max_new_tokens, temperature=work.temperature,
-        top_p=work.top_p, top_k=0, learning_rate=work.lr, lr_scheduler_type="constant", warmup_steps=0,
-        adam_beta1=work.adam_betas[0], adam_beta2=work.adam_betas[1], weight_decay=work.weight_decay,
-        max_grad_norm=work.clip_grad, beta=work.kl_coef, epsilon=work.eps_clip, epsilon_high=work.eps_clip_high,
+        per_device_train_batch_size=work.prompts * work.samples,
+        gradient_accumulation_steps=1,
+        num_generations=work.samples,
+        max_completion_length=work.max_new_tokens,
+        temperature=work.temperature,
+        top_p=work.top_p,
+        top_k=0,
+        learning_rate=work.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=work.adam_betas[0],
+        adam_beta2=work.adam_betas[1],
+        weight_decay=work.weight_decay,
+        max_grad_norm=work.clip_grad,
+        beta=work.kl_coef,
+        epsilon=work.eps_clip,
+        epsilon_high=work.eps_clip_high,
         router_aux_loss_coef=0.0,  # miles adds no MoE load-balancing loss
-        loss_type="dapo" if work.per_token_loss else "grpo", scale_rewards="group" if work.std_normalized else "none",
-        max_steps=work.steps, seed=work.seed, shuffle_dataset=False, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=False, gradient_checkpointing=False, use_cpu=True, disable_tqdm=True,
-    )  # fmt: skip
+        loss_type="dapo" if work.per_token_loss else "grpo",
+        scale_rewards="group" if work.std_normalized else "none",
+        max_steps=work.steps,
+        seed=work.seed,
+        shuffle_dataset=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
 
 
 def step_callback():
@@ -109,17 +130,29 @@ def build_trainer(work: PeerWork, output_dir: str, callback):
     prompts = task_prompts(task, work.steps * work.prompts)
     dataset = Dataset.from_list([{"prompt": p.messages, "index": p.index} for p in prompts])
     tokenizer = AutoTokenizer.from_pretrained(work.model_path, padding_side="left")
-    lora = LoraConfig(r=work.lora_rank, lora_alpha=work.lora_alpha, lora_dropout=0.0, target_modules=work.targets,
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=work.lora_rank,
+        lora_alpha=work.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=work.targets,
+        task_type="CAUSAL_LM",
+    )
     rollout = None
     if work.max_turns > 1:
         from bench.peers.trl_rollout import feedback_rollout
 
         rollout = feedback_rollout(task, prompts, work.max_turns)
     args = GRPOConfig(output_dir=output_dir, **grpo_settings(work))
-    return GRPOTrainer(model=work.model_path, reward_funcs=reward_func(task, work.reward, REWARDS.get(work.reward)),
-                       args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
-                       callbacks=[callback], rollout_func=rollout)  # fmt: skip
+    return GRPOTrainer(
+        model=work.model_path,
+        reward_funcs=reward_func(task, work.reward, REWARDS.get(work.reward)),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[callback],
+        rollout_func=rollout,
+    )
 
 
 def run(work: PeerWork) -> SideRun:

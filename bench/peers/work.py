@@ -24,8 +24,11 @@ class Row:
 
 
 # count is count_retry's skill in one turn (plugins/tasks.py): the single-turn row of the recipe's task.
-SINGLE_TURN = Row("single_turn", "single turn (`session=off`)",
-                  ("session=off", "rollout.task=count", "rollout.reward=exact_match", "rollout.max_turns=1"))
+SINGLE_TURN = Row(
+    "single_turn",
+    "single turn (`session=off`)",
+    ("session=off", "rollout.task=count", "rollout.reward=exact_match", "rollout.max_turns=1"),
+)
 AGENTIC = Row("agentic", "agentic (recipe's task through the session server)")
 ROWS = {row.name: row for row in (SINGLE_TURN, AGENTIC)}
 
@@ -49,14 +52,20 @@ class Work:
 def miles_overrides(work: Work, row: Row) -> list[str]:
     """miles-run's work overrides for `row` (ports, run folder and logging are the caller's)."""
     return [
-        f"+recipe={RECIPE}", *row.overrides,
-        f"rollout.rollout_batch_size={work.prompts}", f"rollout.n_samples_per_prompt={work.samples}",
-        f"rollout.max_response_len={work.max_new_tokens}", f"rollout.temperature={work.temperature}",
-        f"adapters.rank={work.lora_rank}", f"adapters.alpha={work.lora_alpha}",
+        f"+recipe={RECIPE}",
+        *row.overrides,
+        f"rollout.rollout_batch_size={work.prompts}",
+        f"rollout.n_samples_per_prompt={work.samples}",
+        f"rollout.max_response_len={work.max_new_tokens}",
+        f"rollout.temperature={work.temperature}",
+        f"adapters.rank={work.lora_rank}",
+        f"adapters.alpha={work.lora_alpha}",
         f"adapters.target_modules=[{','.join(work.targets)}]",
-        f"optimizer.lr={work.lr}", "algorithm.global_batch_size=0",  # 0: one optimizer step per rollout
-        f"algorithm.num_steps={work.steps}", f"run.seed={work.seed}",
-    ]  # fmt: skip
+        f"optimizer.lr={work.lr}",
+        "algorithm.global_batch_size=0",  # 0: one optimizer step per rollout
+        f"algorithm.num_steps={work.steps}",
+        f"run.seed={work.seed}",
+    ]
 
 
 @dataclass(frozen=True)
@@ -101,16 +110,34 @@ def peer_work(plan: Any, row: Row) -> PeerWork:
     """TRL's side of `row` from the plan miles-run runs (a miles_runner.plan.model.Plan)."""
     adapter, batch, opt, algo = plan.adapters[0], plan.batch, plan.optimizer, plan.algorithm
     if algo.advantage_estimator != "grpo" or batch.steps_per_rollout != 1:
-        raise ValueError(f"the TRL side runs GRPO with one optimizer step per rollout; the plan has "
-                         f"{algo.advantage_estimator} with {batch.steps_per_rollout} (algorithm.advantage_estimator, "
-                         "algorithm.global_batch_size)")
+        raise ValueError(
+            f"the TRL side runs GRPO with one optimizer step per rollout; the plan has "
+            f"{algo.advantage_estimator} with {batch.steps_per_rollout} (algorithm.advantage_estimator, "
+            "algorithm.global_batch_size)"
+        )
     return PeerWork(
-        row=row.name, model_path=str(plan.model_path), task=adapter.task, reward=adapter.reward,
-        max_turns=batch.max_turns, prompts=batch.rollout_batch_size, samples=batch.n_samples_per_prompt,
-        max_new_tokens=batch.max_response_len, lora_rank=adapter.rank, lora_alpha=adapter.alpha,
-        targets=list(adapter.target_modules), lr=opt.lr, adam_betas=(opt.adam_beta1, opt.adam_beta2),
-        weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, eps_clip=algo.eps_clip,
-        eps_clip_high=algo.eps_clip_high, kl_coef=algo.kl_coef, steps=batch.num_steps, seed=plan.seed,
-        temperature=plan.rollout.temperature, top_p=plan.rollout.top_p,
-        std_normalized=algo.normalize_advantages_by_std, per_token_loss=plan.trainer.calculate_per_token_loss,
-    )  # fmt: skip
+        row=row.name,
+        model_path=str(plan.model_path),
+        task=adapter.task,
+        reward=adapter.reward,
+        max_turns=batch.max_turns,
+        prompts=batch.rollout_batch_size,
+        samples=batch.n_samples_per_prompt,
+        max_new_tokens=batch.max_response_len,
+        lora_rank=adapter.rank,
+        lora_alpha=adapter.alpha,
+        targets=list(adapter.target_modules),
+        lr=opt.lr,
+        adam_betas=(opt.adam_beta1, opt.adam_beta2),
+        weight_decay=opt.weight_decay,
+        clip_grad=opt.clip_grad,
+        eps_clip=algo.eps_clip,
+        eps_clip_high=algo.eps_clip_high,
+        kl_coef=algo.kl_coef,
+        steps=batch.num_steps,
+        seed=plan.seed,
+        temperature=plan.rollout.temperature,
+        top_p=plan.rollout.top_p,
+        std_normalized=algo.normalize_advantages_by_std,
+        per_token_loss=plan.trainer.calculate_per_token_loss,
+    )

@@ -2,7 +2,6 @@
 Hydra's _target_. (No `from __future__ import annotations`: Hydra's plugin scan runs this module outside
 sys.modules, where a dataclass cannot resolve string annotations.)"""
 
-
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
@@ -17,5 +16,6 @@ class MilesSlurmLauncherConf(SlurmSettings):
     _target_: str = "hydra_plugins.miles_slurm_launcher.launcher.MilesSlurmLauncher"
 
 
-ConfigStore.instance().store(group="hydra/launcher", name=LAUNCHER_NAME, node=MilesSlurmLauncherConf,
-                             provider="miles_slurm_launcher")
+ConfigStore.instance().store(
+    group="hydra/launcher", name=LAUNCHER_NAME, node=MilesSlurmLauncherConf, provider="miles_slurm_launcher"
+)

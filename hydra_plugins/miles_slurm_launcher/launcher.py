@@ -46,11 +46,15 @@ class MilesSlurmLauncher(Launcher):
             jobs.append(job)
             configs.append(sweep_config)
         manifest = submit_array(sweep_dir, jobs, self.settings, self.settings.python or sys.executable)
-        print(f"miles-run: submitted {len(jobs)} job(s) as Slurm job array {manifest.array_job_id}; "
-              f"sweep folder {sweep_dir}\n  miles-run --status {sweep_dir}", flush=True)
+        print(
+            f"miles-run: submitted {len(jobs)} job(s) as Slurm job array {manifest.array_job_id}; "
+            f"sweep folder {sweep_dir}\n  miles-run --status {sweep_dir}",
+            flush=True,
+        )
         if not self.settings.wait:
-            return [submitted_return(job, cfg, m.job_id) for job, cfg, m in zip(jobs, configs, manifest.jobs,
-                                                                              strict=True)]
+            return [
+                submitted_return(job, cfg, m.job_id) for job, cfg, m in zip(jobs, configs, manifest.jobs, strict=True)
+            ]
         states = wait_for_jobs(manifest, self.settings.poll_interval_s)
         print(f"{format_states(states)}\n\n{render_summary(summarize_sweep(sweep_dir))}", flush=True)
         return [job_return(job, cfg, state) for job, cfg, state in zip(jobs, configs, states, strict=True)]
@@ -76,15 +80,27 @@ class MilesSlurmLauncher(Launcher):
 
 def submitted_return(job: PlannedJob, cfg: DictConfig, job_id: str) -> JobReturn:
     """Submit-and-exit: the job's Slurm id is its return value."""
-    return JobReturn(overrides=job.overrides, cfg=cfg, working_dir=str(job.job_dir), status=JobStatus.COMPLETED,
-                     _return_value=job_id)
+    return JobReturn(
+        overrides=job.overrides, cfg=cfg, working_dir=str(job.job_dir), status=JobStatus.COMPLETED, _return_value=job_id
+    )
 
 
 def job_return(job: PlannedJob, cfg: DictConfig, state: JobState) -> JobReturn:
     if state.result is not None and state.result.status == COMPLETED:
-        return JobReturn(overrides=job.overrides, cfg=cfg, working_dir=str(job.job_dir), status=JobStatus.COMPLETED,
-                         _return_value=state.result)
+        return JobReturn(
+            overrides=job.overrides,
+            cfg=cfg,
+            working_dir=str(job.job_dir),
+            status=JobStatus.COMPLETED,
+            _return_value=state.result,
+        )
     why = state.result.status if state.result else f"Slurm state {state.state}"
-    return JobReturn(overrides=job.overrides, cfg=cfg, working_dir=str(job.job_dir), status=JobStatus.FAILED,
-                     _return_value=RuntimeError(f"job {state.job.job_id} did not complete ({why}); its log: "
-                                                f"{job.job_dir / 'slurm.out'}"))
+    return JobReturn(
+        overrides=job.overrides,
+        cfg=cfg,
+        working_dir=str(job.job_dir),
+        status=JobStatus.FAILED,
+        _return_value=RuntimeError(
+            f"job {state.job.job_id} did not complete ({why}); its log: {job.job_dir / 'slurm.out'}"
+        ),
+    )

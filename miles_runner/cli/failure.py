@@ -52,12 +52,14 @@ def failure_report(error: BaseException, run_dir: Path, driver_log: Path) -> str
             log_path=str(driver_log),
             log_tail=tail(driver_log),
         )
-    return "\n".join([
-        "miles-run: the run failed; every process it started was stopped.",
-        failure.report(),
-        f"run folder: {run_dir}",
-        f"traceback:  {driver_log} (miles-run --debug also prints it here)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "miles-run: the run failed; every process it started was stopped.",
+            failure.report(),
+            f"run folder: {run_dir}",
+            f"traceback:  {driver_log} (miles-run --debug also prints it here)",
+        ]
+    )
 
 
 def log_traceback(error: BaseException) -> None:

@@ -194,8 +194,9 @@ def multirun(overrides: list[str], *, plan_only: bool, debug: bool) -> int:
         for job, exc in failures:
             print(f"miles-run: sweep point [{' '.join(job)}]: {exc}\n", file=sys.stderr)
         return EXIT_PLAN_ERROR
-    return launch_multirun([*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only,
-                           debug=debug)
+    return launch_multirun(
+        [*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only, debug=debug
+    )
 
 
 def slurm_launch(overrides: list[str], *, plan_only: bool, debug: bool) -> int:

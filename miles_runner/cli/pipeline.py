@@ -42,8 +42,10 @@ def resumed_plan(run_dir: Path, compiled: Plan) -> Plan:
     """A resumed run executes the plan it saved; a different freshly compiled plan is reported, not used."""
     saved = read_plan(run_dir / "plan.yaml")
     if saved != compiled:
-        print(f"miles-run: resuming {run_dir} with its saved plan (the config now compiles to a different one)",
-              file=sys.stderr)
+        print(
+            f"miles-run: resuming {run_dir} with its saved plan (the config now compiles to a different one)",
+            file=sys.stderr,
+        )
     print(summarize(saved, str(run_dir / "plan.yaml")))
     return saved
 
@@ -54,8 +56,16 @@ def resume_dir(output_root: str, name: str, explicit: str, setting: str = "run.d
     if explicit:
         folder = Path(explicit)
         if not (folder / "plan.yaml").exists():
-            raise PlanError([Problem("resume-needs-a-run-folder", [(f"{setting}={explicit}", "command line")],
-                                     "That folder holds no plan.yaml of an earlier run.", "")])
+            raise PlanError(
+                [
+                    Problem(
+                        "resume-needs-a-run-folder",
+                        [(f"{setting}={explicit}", "command line")],
+                        "That folder holds no plan.yaml of an earlier run.",
+                        "",
+                    )
+                ]
+            )
         return folder
     candidates = sorted(Path(output_root).glob("*/*/plan.yaml"), key=lambda p: p.stat().st_mtime, reverse=True)
     for plan_file in candidates:
@@ -106,8 +116,10 @@ def _run(plan: Plan, run_dir: Path, *, resume: bool, debug: bool) -> tuple[str, 
             run_plan(plan, run_dir, resume=resume)
         except KeyboardInterrupt as stop:
             cause = str(stop) or "Ctrl-C"  # recorded_run raises it for SIGTERM with the signal as its text
-            print(f"miles-run: stopped by {cause}; every process it started was stopped.\nrun folder: {run_dir}",
-                  file=sys.stderr)
+            print(
+                f"miles-run: stopped by {cause}; every process it started was stopped.\nrun folder: {run_dir}",
+                file=sys.stderr,
+            )
             return INTERRUPTED, EXIT_INTERRUPTED
         except Exception as error:
             report = failure_report(error, run_dir, log)

@@ -52,8 +52,10 @@ def print_job_scripts(points: list[list[str]], overrides: list[str]) -> int:
             print(f"# job {index}: {' '.join(point)}\n{script}")
             continue
         code = EXIT_PLAN_ERROR
-        print(f"# job {index}: {' '.join(point)}\n# NOT SUBMITTABLE: this release refuses the plan (below); this is "
-              f"the script its design would run.\n{script}")
+        print(
+            f"# job {index}: {' '.join(point)}\n# NOT SUBMITTABLE: this release refuses the plan (below); this is "
+            f"the script its design would run.\n{script}"
+        )
         print(f"miles-run: job {index} cannot be submitted: {refusal}", file=sys.stderr)
     return code
 

@@ -59,8 +59,10 @@ def summarize_sweep(sweep_dir: str | Path, *, write: bool = True) -> SweepSummar
     """Every job folder under `sweep_dir` (a folder holding a plan.yaml), in job order; with `write`, also
     SWEEP_DIR/sweep_summary.md and sweep_summary.json."""
     folder = Path(sweep_dir)
-    jobs = sorted((job_summary(p.parent) for p in folder.rglob(PLAN_FILE)),
-                  key=lambda j: (j.number is None, j.number or 0, j.run_dir))
+    jobs = sorted(
+        (job_summary(p.parent) for p in folder.rglob(PLAN_FILE)),
+        key=lambda j: (j.number is None, j.number or 0, j.run_dir),
+    )
     summary = SweepSummary(str(folder), jobs)
     if write:
         (folder / SUMMARY_JSON).write_text(json.dumps(asdict(summary), indent=1))
@@ -74,8 +76,17 @@ def job_summary(run_dir: Path) -> JobSummary:
     if result is None:
         status = RUNNING if (run_dir / "logs" / DRIVER_LOG).exists() else PENDING
         return JobSummary(number, str(run_dir), overrides, status)
-    return JobSummary(number, str(run_dir), overrides, result.status, result.final_reward, result.adapter_rewards,
-                      result.wall_s, result.steps, result.exit_code)
+    return JobSummary(
+        number,
+        str(run_dir),
+        overrides,
+        result.status,
+        result.final_reward,
+        result.adapter_rewards,
+        result.wall_s,
+        result.steps,
+        result.exit_code,
+    )
 
 
 def job_number(run_dir: Path) -> int | None:
@@ -97,8 +108,7 @@ def render_summary(summary: SweepSummary) -> str:
     """The console table, with the counts by status and where the summary files are."""
     rows = table_rows(summary)
     widths = [max(len(str(cell)) for cell in column) for column in zip(COLUMNS, *rows, strict=True)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in (COLUMNS, *rows)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in (COLUMNS, *rows)]
     return "\n".join([f"sweep summary: {counts(summary)}", *lines, f"summary files: {summary_files(summary)}"])
 
 
@@ -114,8 +124,10 @@ def md_row(cells: tuple[str, ...]) -> str:
 
 def table_rows(summary: SweepSummary) -> list[tuple[str, ...]]:
     shown = distinguishing_overrides([j.overrides for j in summary.jobs])
-    return [(job_label(j), " ".join(o), reward_text(j), duration(j.wall_s), j.status)
-            for j, o in zip(summary.jobs, shown, strict=True)]
+    return [
+        (job_label(j), " ".join(o), reward_text(j), duration(j.wall_s), j.status)
+        for j, o in zip(summary.jobs, shown, strict=True)
+    ]
 
 
 def distinguishing_overrides(per_job: list[list[str]]) -> list[list[str]]:

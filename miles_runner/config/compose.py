@@ -126,7 +126,10 @@ def from_hydra_job(cfg: Any, hc: Any, overrides: Sequence[str], run_dir: str = "
 
 
 def from_composed(
-    tree: dict[str, Any], choices: dict[str, str], overrides: list[str], searchpath: Sequence[str] = (),
+    tree: dict[str, Any],
+    choices: dict[str, str],
+    overrides: list[str],
+    searchpath: Sequence[str] = (),
     run_dir: str = "",
 ) -> ComposedConfig:
     """Validate a composed tree (from compose() or from a @hydra.main job) against the schema."""
@@ -177,8 +180,12 @@ def composition_problem(message: str, sources: Sequence[ConfigSource] = ()) -> P
         known = list(flatten(defaults_tree())) + sorted(config_groups(sources))
         if key in RENAMED_KEYS:  # Hydra's message quotes the override: "To append to your config use +KEY=VALUE"
             value = re.search(rf"\+{re.escape(key)}=(\S*)", message)
-            return Problem("unknown-key", [(key, COMMAND_LINE)], f"no such key; {renamed_hint(RENAMED_KEYS[key])}",
-                           f"{RENAMED_KEYS[key]}={value.group(1) if value else '...'}")
+            return Problem(
+                "unknown-key",
+                [(key, COMMAND_LINE)],
+                f"no such key; {renamed_hint(RENAMED_KEYS[key])}",
+                f"{RENAMED_KEYS[key]}={value.group(1) if value else '...'}",
+            )
         hint = did_you_mean(key, known)
         return Problem(
             "unknown-key",

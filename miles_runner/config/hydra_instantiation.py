@@ -27,26 +27,38 @@ def instantiation_problems(hydra_node: Any, shipped: Callable[[], Any]) -> list[
     callbacks = _container(hydra_node.get("callbacks")) or {}
     if callbacks:
         names = ", ".join(sorted(callbacks))
-        problems.append(Problem(
-            "hydra-callbacks-refused", [(f"hydra.callbacks.{name}", FROM_CONFIG) for name in sorted(callbacks)],
-            f"Hydra would create the classes these callbacks name ({names}) when a sweep starts, even under "
-            "--plan; miles-run never instantiates a class named by a config.",
-            "remove the hydra.callbacks section from the config file"))
+        problems.append(
+            Problem(
+                "hydra-callbacks-refused",
+                [(f"hydra.callbacks.{name}", FROM_CONFIG) for name in sorted(callbacks)],
+                f"Hydra would create the classes these callbacks name ({names}) when a sweep starts, even under "
+                "--plan; miles-run never instantiates a class named by a config.",
+                "remove the hydra.callbacks section from the config file",
+            )
+        )
     for kind, base in (("launcher", "hydra.plugins.launcher.Launcher"), ("sweeper", "hydra.plugins.sweeper.Sweeper")):
         target = OmegaConf.select(hydra_node, f"{kind}._target_", default=None)
         if target is not None and target not in installed_plugins(base):
-            problems.append(Problem(
-                f"hydra-{kind}-not-a-plugin", [(f"hydra.{kind}._target_={target}", FROM_CONFIG)],
-                f"hydra.{kind}._target_ names a class that is not an installed Hydra {kind} plugin; Hydra would "
-                "create it before checking its type.",
-                f"pick an installed {kind}: " + ", ".join(sorted(installed_plugins(base)))))
+            problems.append(
+                Problem(
+                    f"hydra-{kind}-not-a-plugin",
+                    [(f"hydra.{kind}._target_={target}", FROM_CONFIG)],
+                    f"hydra.{kind}._target_ names a class that is not an installed Hydra {kind} plugin; Hydra would "
+                    "create it before checking its type.",
+                    f"pick an installed {kind}: " + ", ".join(sorted(installed_plugins(base))),
+                )
+            )
     for node in LOGGING_NODES:
         if _container(hydra_node.get(node)) != _container(shipped().get(node)):
-            problems.append(Problem(
-                "hydra-logging-refused", [(f"hydra.{node}", FROM_CONFIG)],
-                f"hydra.{node} configures Python logging, whose handlers are classes that Hydra creates (and files "
-                "it opens); a run logs to RUN_DIR/logs/driver.log and the console as shipped.",
-                f"remove hydra.{node} (and any hydra/{node} default) from the config file"))
+            problems.append(
+                Problem(
+                    "hydra-logging-refused",
+                    [(f"hydra.{node}", FROM_CONFIG)],
+                    f"hydra.{node} configures Python logging, whose handlers are classes that Hydra creates (and files "
+                    "it opens); a run logs to RUN_DIR/logs/driver.log and the console as shipped.",
+                    f"remove hydra.{node} (and any hydra/{node} default) from the config file",
+                )
+            )
     return problems
 
 

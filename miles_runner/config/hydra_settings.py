@@ -97,9 +97,12 @@ def launcher_field_problem(launcher: str, key: str, text: str) -> Problem | None
     if valid is None or name in valid:
         return None
     listed = ", ".join(valid) if valid else "none"
-    return Problem("hydra-launcher-setting-unknown", [(text, COMMAND_LINE)],
-                   f"hydra/launcher={launcher} has no setting '{name}'; its settings: {listed}.",
-                   f"drop {text}" if not valid else f"use one of: {listed}")
+    return Problem(
+        "hydra-launcher-setting-unknown",
+        [(text, COMMAND_LINE)],
+        f"hydra/launcher={launcher} has no setting '{name}'; its settings: {listed}.",
+        f"drop {text}" if not valid else f"use one of: {listed}",
+    )
 
 
 def hydra_setting_problem(key: str, text: str, *, multirun: bool) -> Problem | None:
@@ -107,37 +110,52 @@ def hydra_setting_problem(key: str, text: str, *, multirun: bool) -> Problem | N
     if key == SEARCHPATH:
         if text.startswith(SEARCHPATH + "="):
             return None
-        return Problem("hydra-searchpath-spelling", setting,
-                       "Hydra takes its search path only from a plain hydra.searchpath=[...] override; written with "
-                       "+, ++ or ~ it would add no folder.",
-                       f"{SEARCHPATH}={text.partition('=')[2] or '[file:///DIR]'}")
+        return Problem(
+            "hydra-searchpath-spelling",
+            setting,
+            "Hydra takes its search path only from a plain hydra.searchpath=[...] override; written with "
+            "+, ++ or ~ it would add no folder.",
+            f"{SEARCHPATH}={text.partition('=')[2] or '[file:///DIR]'}",
+        )
     if key == CHDIR:
         return None if text.partition("=")[2].strip().lower() == "false" else chdir_problem(setting)
     is_launcher = key == LAUNCHER_GROUP or key.startswith(LAUNCHER_PREFIX)
     if key == RUN_DIR:
         if not multirun:
             return None
-        return Problem("hydra-run-dir-in-sweep", setting,
-                       "A sweep puts each job in hydra.sweep.dir/hydra.sweep.subdir; hydra.run.dir is the folder of "
-                       "a single run, so the sweep would not use it.",
-                       f"hydra.sweep.dir={text.partition('=')[2]}")
+        return Problem(
+            "hydra-run-dir-in-sweep",
+            setting,
+            "A sweep puts each job in hydra.sweep.dir/hydra.sweep.subdir; hydra.run.dir is the folder of "
+            "a single run, so the sweep would not use it.",
+            f"hydra.sweep.dir={text.partition('=')[2]}",
+        )
     if key in SWEEP_KEYS or is_launcher:
         if multirun:
             return None
-        return Problem("hydra-setting-needs-multirun", setting,
-                       f"{key} places or starts the jobs of a --multirun sweep; a single run never reads it "
-                       "(its folder is hydra.run.dir, its servers are started by the executor).",
-                       "add --multirun (or hydra/launcher=miles_slurm), or set the run folder with hydra.run.dir=DIR")
-    return Problem("hydra-setting-unsupported", setting,
-                   f"miles-run does not implement {key}: it would be accepted and have no effect. {HONOURED}.",
-                   f"drop {text}")
+        return Problem(
+            "hydra-setting-needs-multirun",
+            setting,
+            f"{key} places or starts the jobs of a --multirun sweep; a single run never reads it "
+            "(its folder is hydra.run.dir, its servers are started by the executor).",
+            "add --multirun (or hydra/launcher=miles_slurm), or set the run folder with hydra.run.dir=DIR",
+        )
+    return Problem(
+        "hydra-setting-unsupported",
+        setting,
+        f"miles-run does not implement {key}: it would be accepted and have no effect. {HONOURED}.",
+        f"drop {text}",
+    )
 
 
 def chdir_problem(setting: list[tuple[str, str]]) -> Problem:
-    return Problem("hydra-chdir-unsupported", setting,
-                   "miles-run keeps the working directory: relative data paths and run.output_root are resolved "
-                   "against it, and the run folder already holds every file a run writes.",
-                   "hydra.job.chdir=false (or drop it)")
+    return Problem(
+        "hydra-chdir-unsupported",
+        setting,
+        "miles-run keeps the working directory: relative data paths and run.output_root are resolved "
+        "against it, and the run folder already holds every file a run writes.",
+        "hydra.job.chdir=false (or drop it)",
+    )
 
 
 def composed_setting_problems(cfg: Any, overrides: Sequence[str]) -> list[Problem]:
@@ -169,21 +187,34 @@ def run_folder_problems(run_dir: str, run: RunConfig, provenance: Provenance) ->
     setting = (f"{RUN_DIR}={run_dir}", str(provenance.origin(RUN_DIR)))
     problems = []
     if run.dir:
-        problems.append(Problem(
-            "run-folder-set-twice", [setting, (f"run.dir={run.dir}", str(provenance.origin("run.dir")))],
-            "hydra.run.dir is the folder of this run and run.dir the folder of a run to resume; a run has one folder.",
-            f"drop {RUN_DIR} (run.dir={run.dir} resumes that run in its own folder)"))
+        problems.append(
+            Problem(
+                "run-folder-set-twice",
+                [setting, (f"run.dir={run.dir}", str(provenance.origin("run.dir")))],
+                "hydra.run.dir is the folder of this run and run.dir the folder of a run to resume; "
+                "a run has one folder.",
+                f"drop {RUN_DIR} (run.dir={run.dir} resumes that run in its own folder)",
+            )
+        )
     root_origin = provenance.origin("run.output_root")
     if root_origin.kind != DEFAULT:
-        problems.append(Problem(
-            "run-folder-set-twice", [setting, (f"run.output_root={run.output_root}", str(root_origin))],
-            "hydra.run.dir is the run folder itself, so run.output_root would have no effect.",
-            f"drop run.output_root, or drop {RUN_DIR} to run in run.output_root/DATE/TIME"))
+        problems.append(
+            Problem(
+                "run-folder-set-twice",
+                [setting, (f"run.output_root={run.output_root}", str(root_origin))],
+                "hydra.run.dir is the run folder itself, so run.output_root would have no effect.",
+                f"drop run.output_root, or drop {RUN_DIR} to run in run.output_root/DATE/TIME",
+            )
+        )
     if not run.resume and (Path(run_dir) / "plan.yaml").exists():
-        problems.append(Problem(
-            "run-folder-taken", [setting],
-            "That folder already holds a run (plan.yaml); a new run there would overwrite its record.",
-            f"run.resume=true to continue that run, or another {RUN_DIR}"))
+        problems.append(
+            Problem(
+                "run-folder-taken",
+                [setting],
+                "That folder already holds a run (plan.yaml); a new run there would overwrite its record.",
+                f"run.resume=true to continue that run, or another {RUN_DIR}",
+            )
+        )
     return problems
 
 
@@ -201,10 +232,16 @@ def sweep_dir_overrides(overrides: Sequence[str], output_roots: set[str]) -> lis
     if any(override_key(o) == SWEEP_KEYS[0] for o in overrides) or output_roots <= {default_root}:
         return []
     if len(output_roots) > 1:
-        raise PlanError([Problem(
-            "sweep-needs-one-output-root", [(f"run.output_root={r}", COMMAND_LINE) for r in sorted(output_roots)],
-            "The jobs of a sweep share one sweep folder, so run.output_root cannot differ between them.",
-            "set one run.output_root, or hydra.sweep.dir=DIR")])
+        raise PlanError(
+            [
+                Problem(
+                    "sweep-needs-one-output-root",
+                    [(f"run.output_root={r}", COMMAND_LINE) for r in sorted(output_roots)],
+                    "The jobs of a sweep share one sweep folder, so run.output_root cannot differ between them.",
+                    "set one run.output_root, or hydra.sweep.dir=DIR",
+                )
+            ]
+        )
     [root] = output_roots
     layout = shipped_sweep_dir()
     tail = layout.removeprefix(default_root) if layout.startswith(default_root + "/") else "/" + layout

@@ -182,6 +182,7 @@ def _is_positive_int(value: Any) -> bool:
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter as the plan, the trainer and the loops see it: its names, LoRA shape, task and batch."""
@@ -208,10 +209,20 @@ def adapter_spec(name: str, lora_name: str, values: Mapping[str, Any], *, dropou
     """The spec of an adapter from its resolved settings (a configured adapter's, or a registered one's
     config): the one place an AdapterSpec is put together."""
     return AdapterSpec(
-        name=name, lora_name=lora_name, rank=values["rank"], alpha=values["alpha"], dropout=dropout,
-        target_modules=list(values["target_modules"]), task=values["task"], reward=values["reward"],
-        lr=values["lr"], rollout_batch_size=values["rollout_batch_size"],
-        n_samples_per_prompt=values["n_samples_per_prompt"], num_step=values.get("num_step"),
-        num_epoch=values.get("num_epoch"), data=values.get("data") or "", agent=values.get("agent"),
+        name=name,
+        lora_name=lora_name,
+        rank=values["rank"],
+        alpha=values["alpha"],
+        dropout=dropout,
+        target_modules=list(values["target_modules"]),
+        task=values["task"],
+        reward=values["reward"],
+        lr=values["lr"],
+        rollout_batch_size=values["rollout_batch_size"],
+        n_samples_per_prompt=values["n_samples_per_prompt"],
+        num_step=values.get("num_step"),
+        num_epoch=values.get("num_epoch"),
+        data=values.get("data") or "",
+        agent=values.get("agent"),
         init_path=values.get("init_path") or "",
-    )  # fmt: skip
+    )

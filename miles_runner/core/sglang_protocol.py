@@ -51,8 +51,16 @@ ABORT_ROUTE = "/abort_request"
 # The body of the fork's broadcast load, as miles sends it (lora_name ... group_name; then pinned, upsert,
 # added_tokens_config). The tensors themselves travel by the weight-update group's broadcast.
 LORA_BROADCAST_FIELDS = (
-    "lora_name", "config_dict", "names", "dtypes", "shapes", "group_name", "pinned", "upsert", "added_tokens_config",
-)  # fmt: skip
+    "lora_name",
+    "config_dict",
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "pinned",
+    "upsert",
+    "added_tokens_config",
+)
 
 FORK_ONLY: tuple[ForkFeature, ...] = (
     ForkFeature(

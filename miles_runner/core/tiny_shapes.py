@@ -17,7 +17,13 @@ _COMMON: dict[str, Any] = {
 }
 
 TINY_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny-moe": {**_COMMON, "model_type": "qwen3_moe", "moe_intermediate_size": 64, "num_experts": 8,
-                 "num_experts_per_tok": 2, "norm_topk_prob": True},
+    "tiny-moe": {
+        **_COMMON,
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
     "tiny-dense": {**_COMMON, "model_type": "qwen3"},
-}  # fmt: skip
+}

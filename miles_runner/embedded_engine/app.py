@@ -394,9 +394,12 @@ def _add_info_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
         if not (engine.ready and engine.scheduler.alive):
             return Response(status_code=503)
         probe = engine.build_generate_requests(
-            GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                             rid=f"HEALTH_CHECK_{os.urandom(4).hex()}")
-        )[0]  # fmt: skip
+            GenerateReqInput(
+                input_ids=[0],
+                sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                rid=f"HEALTH_CHECK_{os.urandom(4).hex()}",
+            )
+        )[0]
         try:
             await asyncio.wait_for(_collect(engine, probe, None), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:

@@ -166,10 +166,16 @@ class EmbeddedEngine:
                 return_text=body.return_text_in_logprobs,
             )
             requests += self.samples_for_prompt(
-                rids[i], prompt, params, adapter=lora[i], logprob=logprob,
-                routed=body.return_routed_experts, routed_start=body.routed_experts_start_len, stream=body.stream,
+                rids[i],
+                prompt,
+                params,
+                adapter=lora[i],
+                logprob=logprob,
+                routed=body.return_routed_experts,
+                routed_start=body.routed_experts_start_len,
+                stream=body.stream,
                 extra_key=extra_keys[i] or None,  # SGLang: an empty key is no key
-            )  # fmt: skip
+            )
         return requests, batched or len(requests) > 1
 
     def _prompts(self, body: GenerateReqInput) -> tuple[list[list[int]], bool]:
@@ -186,9 +192,18 @@ class EmbeddedEngine:
         return (list(ids) if batched else [list(ids)]), batched
 
     def samples_for_prompt(
-        self, rid: str, prompt: list[int], params: SamplingParams, *, adapter: str | None,
-        logprob: LogprobRequest, routed: bool, routed_start: int, stream: bool, extra_key: str | None = None,
-    ) -> list[GenRequest]:  # fmt: skip
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        adapter: str | None,
+        logprob: LogprobRequest,
+        routed: bool,
+        routed_start: int,
+        stream: bool,
+        extra_key: str | None = None,
+    ) -> list[GenRequest]:
         verify_sampling(params, self.runner.vocab_size)
         self.limits.check_request([params.n])
         self._check_prompt(prompt, logprob, routed_start)
@@ -370,9 +385,13 @@ class EmbeddedEngine:
 
     async def init_weights_update_group(self, body: InitWeightsUpdateGroupReqInput) -> None:
         await self.weight_groups.init(
-            master_address=body.master_address, master_port=body.master_port, rank=body.rank_offset,
-            world_size=body.world_size, group_name=body.group_name, backend=body.backend,
-        )  # fmt: skip
+            master_address=body.master_address,
+            master_port=body.master_port,
+            rank=body.rank_offset,
+            world_size=body.world_size,
+            group_name=body.group_name,
+            backend=body.backend,
+        )
 
     async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedReqInput) -> str:
         if body.load_format is not None:

@@ -61,10 +61,16 @@ def build_chat_requests(engine: EmbeddedEngine, body: ChatCompletionRequest) -> 
     )
     logprob = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=body.top_logprobs or 0, return_text=True)
     requests = engine.samples_for_prompt(
-        rid, chat_prompt_ids(engine, body), params, adapter=adapter, logprob=logprob,
-        routed=body.return_routed_experts, routed_start=body.routed_experts_start_len, stream=body.stream,
+        rid,
+        chat_prompt_ids(engine, body),
+        params,
+        adapter=adapter,
+        logprob=logprob,
+        routed=body.return_routed_experts,
+        routed_start=body.routed_experts_start_len,
+        stream=body.stream,
         extra_key=body.extra_key or None,
-    )  # fmt: skip
+    )
     return rid, requests
 
 

@@ -101,8 +101,11 @@ class ModelList(BaseModel):
 
 
 def _json(model: type[BaseModel] | dict, description: str) -> dict:
-    return {"model": model, "description": description} if isinstance(model, type) else {
-        "description": description, "content": {"application/json": {"schema": model}}}  # fmt: skip
+    return (
+        {"model": model, "description": description}
+        if isinstance(model, type)
+        else {"description": description, "content": {"application/json": {"schema": model}}}
+    )
 
 
 def _ref(model: type[BaseModel]) -> dict:
@@ -114,22 +117,25 @@ NO_BODY = {"content": {}}
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 UNAUTHORIZED = {401: _json(Unauthorized, "The engine has an API key and the request does not carry it")}
 NATIVE_400 = {400: _json(NativeError, "Bad request: the message names the field"), **UNAUTHORIZED}
-OPENAI_400 = {400: _json(OpenAIError, "Bad request (OpenAI error object): the message names the field"),
-              **UNAUTHORIZED}  # fmt: skip
+OPENAI_400 = {400: _json(OpenAIError, "Bad request (OpenAI error object): the message names the field"), **UNAUTHORIZED}
 FAILED_ALONE = "This request failed inside a batched step (its neighbours were not affected)"
 GONE = {499: {"description": "The client disconnected; its generation was aborted", **NO_BODY}}
 
 
 def generate_responses() -> dict:
     one_or_many = {"anyOf": [_ref(GenerateItem), {"type": "array", "items": _ref(GenerateItem)}]}
-    ok = {"description": "One item, or a list for a batch or n > 1; an event stream when stream=true",
-          "content": {"application/json": {"schema": one_or_many}, **SSE}}  # fmt: skip
+    ok = {
+        "description": "One item, or a list for a batch or n > 1; an event stream when stream=true",
+        "content": {"application/json": {"schema": one_or_many}, **SSE},
+    }
     return {200: ok, **NATIVE_400, **GONE, 500: _json(NativeError, FAILED_ALONE)}
 
 
 def chat_responses() -> dict:
-    ok = {"description": "A chat.completion; chat.completion.chunk events when stream=true",
-          "content": {"application/json": {"schema": _ref(ChatCompletion)}, **SSE}}  # fmt: skip
+    ok = {
+        "description": "A chat.completion; chat.completion.chunk events when stream=true",
+        "content": {"application/json": {"schema": _ref(ChatCompletion)}, **SSE},
+    }
     return {200: ok, **OPENAI_400, **GONE, 500: _json(OpenAIError, FAILED_ALONE)}
 
 
@@ -137,8 +143,11 @@ def reply_responses(model: type[BaseModel], what: str) -> dict:
     """A LoRA or weight route: 200 and a refused request share the route's own body; a malformed body is the
     native error."""
     refused = {"anyOf": [_ref(model), _ref(NativeError)]}
-    return {200: _json(model, f"{what} done"), 400: _json(refused, f"{what} refused, or a malformed body"),
-            **UNAUTHORIZED}  # fmt: skip
+    return {
+        200: _json(model, f"{what} done"),
+        400: _json(refused, f"{what} refused, or a malformed body"),
+        **UNAUTHORIZED,
+    }
 
 
 ABORT = {200: {"description": "Aborted (or nothing matched)", **NO_BODY}, **NATIVE_400}
@@ -153,8 +162,11 @@ FLUSH = {
 HEALTH = {200: {"description": "Serving", **NO_BODY}, 503: {"description": "Not serving", **NO_BODY}}
 INFO = {200: _json({"type": "object"}, "Model or server information (no secrets)"), **UNAUTHORIZED}
 MODELS = {200: _json(ModelList, "The base model and every loaded adapter"), **UNAUTHORIZED}
-MODEL_CARD = {200: _json(ModelCard, "The model or adapter"),
-              404: _json(OpenAIError, "No such model or adapter (code model_not_found)"), **UNAUTHORIZED}  # fmt: skip
+MODEL_CARD = {
+    200: _json(ModelCard, "The model or adapter"),
+    404: _json(OpenAIError, "No such model or adapter (code model_not_found)"),
+    **UNAUTHORIZED,
+}
 
 
 def hand_parsed_body(model: type[BaseModel]) -> dict:

@@ -74,14 +74,24 @@ class PrefixCache:
                 return length, entry
         return 0, None
 
-    def insert(self, namespace: Hashable, tokens: Sequence[int], kv: KVCache, routing: np.ndarray | None,
-               replaces: CachedPrefix | None = None) -> None:  # fmt: skip
+    def insert(
+        self,
+        namespace: Hashable,
+        tokens: Sequence[int],
+        kv: KVCache,
+        routing: np.ndarray | None,
+        replaces: CachedPrefix | None = None,
+    ) -> None:
         """Keep a copy of `kv` (and `routing`) for `tokens`. `replaces`, the entry this request started from, is
         dropped: its tokens are a prefix of these, so every lookup it would answer this one answers as well."""
         if len(tokens) < BLOCK:
             return
-        entry = CachedPrefix(namespace, tuple(tokens), [(k.clone(), v.clone()) for k, v in kv],
-                             None if routing is None else routing[: len(tokens)].copy())  # fmt: skip
+        entry = CachedPrefix(
+            namespace,
+            tuple(tokens),
+            [(k.clone(), v.clone()) for k, v in kv],
+            None if routing is None else routing[: len(tokens)].copy(),
+        )
         if entry.nbytes > self.budget_bytes:
             return
         if replaces is not None and entry.tokens[: len(replaces.tokens)] == replaces.tokens:

@@ -72,8 +72,10 @@ class RaggedLayout:
         empty = torch.zeros(0, heads, dim)
 
         def padded(layer: int, part: int) -> torch.Tensor:
-            rows = [cache[layer][part].transpose(0, 1) if c else empty
-                    for cache, c in zip(caches, self.cache_lens, strict=True)]  # (len, heads, dim) each
+            rows = [
+                cache[layer][part].transpose(0, 1) if c else empty
+                for cache, c in zip(caches, self.cache_lens, strict=True)
+            ]  # (len, heads, dim) each
             batch = pad_sequence(rows, batch_first=True, padding_side="left")  # (B, max len, heads, dim)
             return batch.transpose(1, 2)
 

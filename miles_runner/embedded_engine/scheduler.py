@@ -254,8 +254,12 @@ class Scheduler:
         """Leave a finished request's KV in the prefix cache, unless the weights changed since it was admitted
         (its KV would mix two versions), it was aborted, or the cache already holds all but less than a block of
         its tokens (the other samples of a group: one copy of their prompt is enough)."""
-        if (self.prefix_cache is None or state.cache is None or state.finish_reason.get("type") == "abort"
-                or state.cache_namespace != self._namespace(state)):  # fmt: skip
+        if (
+            self.prefix_cache is None
+            or state.cache is None
+            or state.finish_reason.get("type") == "abort"
+            or state.cache_namespace != self._namespace(state)
+        ):
             return
         tokens = state.tokens[: state.kv_len]
         if state.kv_len - self.prefix_cache.match(state.cache_namespace, tokens, state.kv_len)[0] < BLOCK:

@@ -51,9 +51,14 @@ class WeightUpdateGroups:
             if group_name in self._groups:
                 raise ValueError(f"Weight update group {group_name!r} is already initialized; destroy it first.")
             join = lambda: init_weight_update_group(  # noqa: E731
-                backend=backend, master_address=master_address, master_port=master_port, rank=rank,
-                world_size=world_size, group_name=group_name, timeout_s=self.timeout_s,
-            )  # fmt: skip
+                backend=backend,
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank,
+                world_size=world_size,
+                group_name=group_name,
+                timeout_s=self.timeout_s,
+            )
             try:
                 self._groups[group_name] = await _on_daemon_thread(join)
             except Exception as exc:

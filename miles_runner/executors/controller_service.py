@@ -25,8 +25,13 @@ NAMESPACE = "miles"
 def controller_process(plan: Plan, run_dir: Path) -> ManagedProcess:
     """The controller service as a supervised child process (`with` starts it healthy), run in the run folder."""
     check_ports([("the multi-LoRA controller", plan.multi_lora.launch)])
-    return launch_process("multi_lora_controller", plan.multi_lora.launch, run_dir / "logs",
-                          startup_timeout_s=plan.executor.health_timeout_s, cwd=run_dir)
+    return launch_process(
+        "multi_lora_controller",
+        plan.multi_lora.launch,
+        run_dir / "logs",
+        startup_timeout_s=plan.executor.health_timeout_s,
+        cwd=run_dir,
+    )
 
 
 class ControllerActorBody:

@@ -96,9 +96,14 @@ class LocalExecutor(Executor):
     share of a plan that spans nodes, whose `{nodeK}` placeholders become `addresses[K]`)."""
 
     def __init__(
-        self, plan: Plan, run_dir: Path, *, startup_timeout_s: float | None = None, node: int | None = None,
+        self,
+        plan: Plan,
+        run_dir: Path,
+        *,
+        startup_timeout_s: float | None = None,
+        node: int | None = None,
         addresses: Sequence[str] = (LOOPBACK,),
-    ):  # fmt: skip
+    ):
         self.plan = plan_on_nodes(plan, addresses)  # what runs: the nodes' own addresses
         self.mine = {name for name, launch in server_launches(plan) if node is None or launch.node == node}
         self.run_dir = Path(run_dir)
@@ -139,8 +144,9 @@ class LocalExecutor(Executor):
         """The checkpoint on disk is the model the plan describes (the plan could check it only if it was there)."""
         config = checkpoint_config(self.plan.model_path, None)
         if config and (found := shape_mismatches(self.plan.model, config)):
-            raise RuntimeError(f"{self.plan.model_path} is not the model the plan describes: "
-                               f"{describe_mismatches(found)}")
+            raise RuntimeError(
+                f"{self.plan.model_path} is not the model the plan describes: {describe_mismatches(found)}"
+            )
 
     def process(self, name: str, launch: Launch, startup_timeout_s: float | None = None) -> ManagedProcess:
         timeout = startup_timeout_s or self.startup_timeout_s
@@ -151,8 +157,11 @@ class LocalExecutor(Executor):
         ranks > 0 of engines wider than a node. An engine may take engine.startup_timeout_s to become healthy (it
         loads the model), not the executor.health_timeout_s of the other components; a rank > 0 answers SGLang's
         stand-in /health on its own port once its schedulers are up, so every rank is waited for the same way."""
-        timeout = {name: self.timeout_override or e.startup_timeout_s for e in self.plan.engines
-                   for name in (e.name, *(engine_rank_name(e.index, r.node_rank) for r in e.node_ranks))}  # fmt: skip
+        timeout = {
+            name: self.timeout_override or e.startup_timeout_s
+            for e in self.plan.engines
+            for name in (e.name, *(engine_rank_name(e.index, r.node_rank) for r in e.node_ranks))
+        }
         return {name: self.process(name, launch, timeout[name]) for name, launch in self.launches() if name in timeout}
 
     def engine_process(self, engine: EnginePlan) -> ManagedProcess:
@@ -194,8 +203,13 @@ class LocalExecutor(Executor):
                     continue
                 self.group.start(process := self.process(name, launch))
                 if name == "router":  # it answers /health at once, but drops engines it could not reach
-                    wait_for_workers(process, launch.url, [e.launch.url for e in self.plan.engines],
-                                     self.startup_timeout_s, api_key=self.api_key)
+                    wait_for_workers(
+                        process,
+                        launch.url,
+                        [e.launch.url for e in self.plan.engines],
+                        self.startup_timeout_s,
+                        api_key=self.api_key,
+                    )
         except BaseException:
             self.group.stop()
             raise
@@ -236,11 +250,14 @@ class LocalExecutor(Executor):
 
     def _multi_node_engine_lost(self, name: str, dead: ManagedProcess) -> EngineLostError:
         return EngineLostError(
-            name, f"exited with code {dead.returncode}; it is a node rank of an SGLang engine that spans nodes "
+            name,
+            f"exited with code {dead.returncode}; it is a node rank of an SGLang engine that spans nodes "
             "(--nnodes), which goes down with any of its ranks and is not restarted (all its ranks would have to "
             "start again together). Fit each engine in one node (engine.tp_size <= cluster.gpus_per_node) to let "
-            "executor.engine_restarts restart it.", log_path=str(dead.log_path), log_tail=dead.log_tail(),
-        )  # fmt: skip
+            "executor.engine_restarts restart it.",
+            log_path=str(dead.log_path),
+            log_tail=dead.log_tail(),
+        )
 
     def _restart_engine(self, index: int) -> None:
         dead, engine = self.engines[index], self.plan.engines[index]
@@ -251,14 +268,19 @@ class LocalExecutor(Executor):
                 f"engine{index}",
                 f"({engine.launch.url}) exited with code {code} and executor.engine_restarts={limit} restart(s) "
                 "are used up. Raise executor.engine_restarts to let the run go on.",
-                log_path=str(dead.log_path), log_tail=dead.log_tail(),
+                log_path=str(dead.log_path),
+                log_tail=dead.log_tail(),
             )
         self.restarts[index] += 1
         logger.warning("engine%d exited with code %s; restart %d of %d", index, code, self.restarts[index], limit)
         dead.stop()  # reaps it, and whatever of its process group is left
         if not port_is_free(engine.launch.host, engine.launch.port):
-            raise EngineLostError(f"engine{index}", f"died, but its port {engine.launch.port} is still held",
-                                  log_path=str(dead.log_path), log_tail=dead.log_tail())
+            raise EngineLostError(
+                f"engine{index}",
+                f"died, but its port {engine.launch.port} is still held",
+                log_path=str(dead.log_path),
+                log_tail=dead.log_tail(),
+            )
         self.engines[index] = self.group.replace(dead, self.engine_process(engine))
         if self.plan.router:
             ensure_worker(self.plan.router.launch.url, engine.launch.url, self.startup_timeout_s, api_key=self.api_key)

@@ -80,12 +80,16 @@ class NodeAgentBody:
         """This node's own address and Ray node id."""
         import ray
 
-        return {"address": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}  # fmt: skip
+        return {
+            "address": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
 
     def start_engines(self, addresses: list[str]) -> None:
-        self.executor = LocalExecutor(self.plan, self.run_dir, startup_timeout_s=self.startup_timeout_s,
-                                      node=self.node, addresses=addresses)  # fmt: skip
+        self.executor = LocalExecutor(
+            self.plan, self.run_dir, startup_timeout_s=self.startup_timeout_s, node=self.node, addresses=addresses
+        )
         self.executor.start_engines()
 
     def start_services(self) -> dict[str, Any]:
@@ -252,9 +256,14 @@ class RayExecutor(Executor):
         except BaseException:
             self.stop()
             raise
-        return Deployment(info["engine_urls"], info["rollout_url"], info["session_url"],
-                          remote_ranks=AgentRanks(self.agents, self.run_dir.resolve()), api_key=api_key,
-                          trainer_address=self.agents[0].address if len(self.agents) > 1 else LOOPBACK)  # fmt: skip
+        return Deployment(
+            info["engine_urls"],
+            info["rollout_url"],
+            info["session_url"],
+            remote_ranks=AgentRanks(self.agents, self.run_dir.resolve()),
+            api_key=api_key,
+            trainer_address=self.agents[0].address if len(self.agents) > 1 else LOOPBACK,
+        )
 
     def _init_ray(self) -> None:
         import ray
@@ -280,10 +289,11 @@ class RayExecutor(Executor):
         if missing:
             names = ", ".join(f"node {k} ({node_resource(k)})" for k in missing)
             raise ClusterNodesError(
-                "ray cluster", f"the plan places components on {self.plan.cluster.nodes} node(s), but no Ray node "
+                "ray cluster",
+                f"the plan places components on {self.plan.cluster.nodes} node(s), but no Ray node "
                 f"offers {names}. Each node of a run is started with its index: ray start --resources "
                 f"'{{\"{node_resource(missing[0])}\": 1000}}' (the Slurm job script does this).",
-            )  # fmt: skip
+            )
 
     def _place_agents(self) -> list[AgentHandle]:
         """Reserve the plan's devices, then put one agent on each plan node (into a bundle of that node)."""
@@ -306,7 +316,8 @@ class RayExecutor(Executor):
             group, index = where[node]
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
             actor = agent_class.options(scheduling_strategy=strategy, runtime_env=key_runtime_env(self.plan)).remote(
-                plan_dict, run_dir, node, self.startup_timeout_s)
+                plan_dict, run_dir, node, self.startup_timeout_s
+            )
             agents.append(AgentHandle(node, actor))
         for agent, info in zip(agents, self._gather([a.actor.where.remote() for a in agents], agents), strict=True):
             agent.address, agent.node_id = info["address"], info["node_id"]
@@ -315,8 +326,13 @@ class RayExecutor(Executor):
 
     def _service_bundles(self) -> dict[str, list[dict[str, float]]]:
         """A node where no role reserves devices (one that hosts only servers, or nothing) still gets its agent."""
-        reserved = {node for bundles in placement_bundles(self.plan).values() for b in bundles
-                    for node in range(self.plan.cluster.nodes) if node_resource(node) in b}  # fmt: skip
+        reserved = {
+            node
+            for bundles in placement_bundles(self.plan).values()
+            for b in bundles
+            for node in range(self.plan.cluster.nodes)
+            if node_resource(node) in b
+        }
         bare = sorted(set(range(self.plan.cluster.nodes)) - reserved)
         return {f"node{node}": [services_bundle(node)] for node in bare}
 
@@ -331,10 +347,11 @@ class RayExecutor(Executor):
                 for key, amount in bundle.items():
                     need[key] = need.get(key, 0) + amount
             raise ClusterNodesError(
-                "ray cluster", f"the {role} placement group ({need}) was not ready within {self.timeout_s:g} s; the "
+                "ray cluster",
+                f"the {role} placement group ({need}) was not ready within {self.timeout_s:g} s; the "
                 f"cluster has {ray.available_resources()} available. Give the nodes the plan's devices "
                 "(cluster.cpu_devices_per_node / cluster.gpus_per_node) or free them.",
-            ) from None  # fmt: skip
+            ) from None
 
     def _check_driver_on_node_0(self, agent: AgentHandle) -> None:
         """The driver is trainer rank 0 (its address is the ranks' master address) and talks to a single-node
@@ -344,9 +361,10 @@ class RayExecutor(Executor):
         here = ray.util.get_node_ip_address()
         if here != agent.address:
             raise ClusterNodesError(
-                "driver", f"runs on {here}, but plan node 0 (the Ray node offering {node_resource(0)}) is "
+                "driver",
+                f"runs on {here}, but plan node 0 (the Ray node offering {node_resource(0)}) is "
                 f"{agent.address}: start miles-run on node 0.",
-            )  # fmt: skip
+            )
 
     def _start_components(self) -> dict[str, Any]:
         """Engines on every node (together), then the router and the session server on their node."""
@@ -383,13 +401,16 @@ class RayExecutor(Executor):
         tail = "\n".join(first.read_text(errors="replace").splitlines()[-40:]) if first else ""
         where = f"{agent.address or 'address unknown'}, Ray node {agent.node_id[:12] or 'unknown'}"
         detail = (str(error).splitlines() or [""])[0][:200]
-        reason = (f"the node agent of plan node {agent.node} ({where}) is gone, and {', '.join(on_node) or 'nothing'} "
-                  f"with it: {type(error).__name__}: {detail}")  # fmt: skip
+        reason = (
+            f"the node agent of plan node {agent.node} ({where}) is gone, and {', '.join(on_node) or 'nothing'} "
+            f"with it: {type(error).__name__}: {detail}"
+        )
         return NodeLostError(f"node{agent.node}", reason, log_path=str(first) if first else None, log_tail=tail)
 
     def restart_dead_engines(self) -> list[int]:
-        restarted = self._gather([a.actor.restart_dead_engines.remote() for a in self.agents], self.agents,
-                                 timeout=None)  # fmt: skip
+        restarted = self._gather(
+            [a.actor.restart_dead_engines.remote() for a in self.agents], self.agents, timeout=None
+        )
         self.pids = [pid for agent in self.agents for pid in self._pids(agent).values() if pid]
         return sorted(index for indices in restarted for index in indices)
 

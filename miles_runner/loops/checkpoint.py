@@ -21,8 +21,9 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path, step: int, trainer_state: dict[str, Any], meta: dict[str, Any],
-                    *, keep_last: int = 2) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, trainer_state: dict[str, Any], meta: dict[str, Any], *, keep_last: int = 2
+) -> Path:
     """`step` is the number of completed steps; the resumed run starts at that step index."""
     import torch
 

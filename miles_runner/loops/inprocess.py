@@ -47,15 +47,25 @@ class LocalRunResult:
         return sum(part) / len(part)
 
 
-def run_local_grpo(config: LocalRunConfig, on_step: Callable[[int, dict[str, float]], None] | None = None,
-                   save_adapter_to: Path | None = None) -> LocalRunResult:
+def run_local_grpo(
+    config: LocalRunConfig,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    save_adapter_to: Path | None = None,
+) -> LocalRunResult:
     from transformers import AutoTokenizer
 
     a = config.adapter
-    settings = TrainerSettings(a, config.algorithm, config.optimizer, group_size=a.n_samples_per_prompt,
-                               global_batch_size=0, micro_batch_size=config.micro_batch_size,
-                               temperature=config.sampling.temperature, seed=config.seed,
-                               routing_replay=config.sampling.return_routed_experts)  # R3: replay what was recorded
+    settings = TrainerSettings(
+        a,
+        config.algorithm,
+        config.optimizer,
+        group_size=a.n_samples_per_prompt,
+        global_batch_size=0,
+        micro_batch_size=config.micro_batch_size,
+        temperature=config.sampling.temperature,
+        seed=config.seed,
+        routing_replay=config.sampling.return_routed_experts,
+    )  # R3: replay what was recorded
     trainer = FSDPTrainer(config.model_path, settings)
     tokenizer = AutoTokenizer.from_pretrained(config.model_path, padding_side="left")
     task, reward_fn = make_task(a.task, config.seed, a.data), get_reward(a.reward)

@@ -110,8 +110,11 @@ class SingleAdapterLoop:
         on a core of its own (bench/single_turn_step.py's start-up figures). Ranks in other processes need the
         deployment, and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself. A model not on
         disk yet (a tiny model's first run) is built by the executor as the engines start: the trainer waits for it."""
-        return (self.plan.cluster.cpu_only and self.plan.trainer.parallel.world_size <= 1
-                and Path(self.plan.model_path).is_dir())
+        return (
+            self.plan.cluster.cpu_only
+            and self.plan.trainer.parallel.world_size <= 1
+            and Path(self.plan.model_path).is_dir()
+        )
 
     def _make_trainer(self, remote_ranks: Any):
         trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents
@@ -147,8 +150,11 @@ class SingleAdapterLoop:
         self.tracker = Tracker(plan, self.run_dir, start_step=start)
         sync = make_sync(plan, engines, plan.adapters[0].lora_name, trainer_address=deployment.trainer_address)
         self.restarts = EngineRestarts(self.executor, sync, self.run_dir, plan.executor.engine_restarts)
-        self.probe = (PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
-                      if plan.weight_sync.verify else None)  # fmt: skip
+        self.probe = (
+            PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
+            if plan.weight_sync.verify
+            else None
+        )
         self.initial_adapter = trainer.adapter_state()
         self.adapter_shared = share_trainer_adapter(trainer, sync)
         freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
@@ -192,8 +198,13 @@ class SingleAdapterLoop:
                 self.tracker.phase(step, "sync")
                 sync_metrics = await self._sync(trainer, sync, step + 1)
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
-            record.update({"weight_version": self.engine_version, **sync_metrics,
-                           "step/seconds": time.perf_counter() - step_started})
+            record.update(
+                {
+                    "weight_version": self.engine_version,
+                    **sync_metrics,
+                    "step/seconds": time.perf_counter() - step_started,
+                }
+            )
             step_started = time.perf_counter()
             self.tracker.step_done(step, record)
             self._stamp("first_step_done")
@@ -229,8 +240,11 @@ class SingleAdapterLoop:
             samples = await rollout_single_turn(ctx, prompts)
         seconds = time.perf_counter() - started
         tokens = sum(s.response_length for s in samples)
-        return samples, {"rollout/seconds": seconds, "rollout/tokens": tokens,
-                         "rollout/tokens_per_s": tokens / max(seconds, 1e-9)}
+        return samples, {
+            "rollout/seconds": seconds,
+            "rollout/tokens": tokens,
+            "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+        }
 
     async def _sync(self, trainer, sync, version: int) -> dict[str, float]:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
@@ -240,8 +254,12 @@ class SingleAdapterLoop:
         else:  # the parameters themselves where they live in the sync's shared memory: no copy before the engine's
             tensors = trainer.adapter_views() if self.adapter_shared else trainer.adapter_state()
         report, probed = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
-        return {"sync/seconds": report.seconds, "sync/verify_seconds": report.verify_seconds,
-                "sync/shared_memory": float(report.shared_memory), **probed}  # fmt: skip
+        return {
+            "sync/seconds": report.seconds,
+            "sync/verify_seconds": report.verify_seconds,
+            "sync/shared_memory": float(report.shared_memory),
+            **probed,
+        }
 
     async def _push(self, sync, tensors, trainer, version: int, *, what: str):
         """Push, then probe every engine while the trainer holds exactly the pushed adapter
@@ -267,16 +285,21 @@ class SingleAdapterLoop:
         cursor = stream.state_dict()
         if taken_ahead:
             cursor = {**cursor, "cursor": cursor["cursor"] - self.plan.batch.rollout_batch_size}
-        save_checkpoint(self.run_dir, done, trainer.state_dict(), {"data": cursor},
-                        keep_last=self.plan.checkpoint.keep_last)
+        save_checkpoint(
+            self.run_dir, done, trainer.state_dict(), {"data": cursor}, keep_last=self.plan.checkpoint.keep_last
+        )
 
 
 def step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness: int) -> dict[str, Any]:
     """The step's metrics: the rollout generated at `rollout/weight_version`, trained at `train/weight_version`
     (= step), `train/weight_staleness` apart."""
     rewards = [s.reward or 0.0 for s in samples]
-    record: dict[str, Any] = {"step": step, "reward/mean": sum(rewards) / len(rewards), **rollout_metrics,
-                              "rollout/weight_version": step - staleness}
+    record: dict[str, Any] = {
+        "step": step,
+        "reward/mean": sum(rewards) / len(rewards),
+        **rollout_metrics,
+        "rollout/weight_version": step - staleness,
+    }
     record.update({f"train/{k}": v for k, v in train_metrics.items() if k not in ("step", "reward_mean")})
     record.update({"train/seconds": train_s, "train/weight_version": step, "train/weight_staleness": staleness})
     record["train/logprob_abs_diff"] = train_metrics.get("rollout_logprob_abs_diff")

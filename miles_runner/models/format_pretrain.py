@@ -79,8 +79,15 @@ def _batch(tokenizer, tasks: list[Task], rng: random.Random, size: int, offset: 
     return ids, (ids != tokenizer.pad_token_id).long(), labels
 
 
-def pretrain_format(model_dir: str | Path, task_names: Sequence[str] | None = None, *, steps: int = DEFAULT_STEPS,
-                    batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> list[float]:
+def pretrain_format(
+    model_dir: str | Path,
+    task_names: Sequence[str] | None = None,
+    *,
+    steps: int = DEFAULT_STEPS,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
     """Fit the model in ``model_dir`` (in place) on random well-formed episodes; return the loss curve."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -116,8 +116,14 @@ def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, in
     if vocab_size != shape["vocab_size"]:
         raise RuntimeError(f"the embedded tokenizer has {vocab_size} tokens; TINY_SHAPES says {shape['vocab_size']}")
     model_type = shape.pop("model_type")
-    extra = dict(initializer_range=init_std, tie_word_embeddings=False, sliding_window=None, bos_token_id=None,
-                 eos_token_id=token_ids["<|im_end|>"], pad_token_id=token_ids["<|endoftext|>"])
+    extra = dict(
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        bos_token_id=None,
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+    )
     if model_type == "qwen3":
         from transformers import Qwen3Config
 

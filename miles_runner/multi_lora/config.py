@@ -149,8 +149,10 @@ def place_problems(values: dict[str, Any], defaults: AdapterDefaults) -> list[st
     if data := values.get("data"):
         roots = defaults.readable_roots()
         if not any(is_file_inside(root, data) for root in roots):
-            problems.append(f"data {data!r} is not a readable file under the controller's data folders "
-                            f"({', '.join(map(str, roots))})")
+            problems.append(
+                f"data {data!r} is not a readable file under the controller's data folders "
+                f"({', '.join(map(str, roots))})"
+            )
     return problems
 
 

@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings.build_controller(), api_token=settings.api_token, adapters_dir=settings.adapters_dir)
     # SIGTERM ends the service within GRACEFUL_SHUTDOWN_S: requests still running then (an abort waiting on an
     # engine that does not answer) are cancelled rather than waited for.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # fmt: skip
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    )
 
 
 if __name__ == "__main__":

@@ -86,10 +86,14 @@ class AdapterRun:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "config": self.config.to_dict(), "slot": self.slot, "version": self.version,
-            "step": self.step, "accumulated_groups": self.accumulated_groups,
+            "name": self.name,
+            "config": self.config.to_dict(),
+            "slot": self.slot,
+            "version": self.version,
+            "step": self.step,
+            "accumulated_groups": self.accumulated_groups,
             "registration_id": self.registration_id,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AdapterRun:
@@ -233,8 +237,10 @@ class AdapterRegistry:
         if record.accumulated_groups != record.config.rollout_batch_size:
             log.warning(
                 "adapter %s stepped with %d groups, expected %d",
-                record.name, record.accumulated_groups, record.config.rollout_batch_size,
-            )  # fmt: skip
+                record.name,
+                record.accumulated_groups,
+                record.config.rollout_batch_size,
+            )
         record.step += 1
         record.accumulated_groups = 0
         num_step = record.config.num_step

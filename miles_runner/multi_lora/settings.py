@@ -158,8 +158,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", help="a saved plan.yaml: every setting below comes from it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--api-key-env", help=f"require the bearer key held by this environment variable (standalone "
-                   f"default: {TOKEN_ENV}, if set); it is also sent to the engines", metavar="NAME")
+    p.add_argument(
+        "--api-key-env",
+        help=f"require the bearer key held by this environment variable (standalone "
+        f"default: {TOKEN_ENV}, if set); it is also sent to the engines",
+        metavar="NAME",
+    )
     p.add_argument("--adapters-dir", help="allow POST /adapter_runs {'yaml_path'} for files inside this folder")
     p.add_argument("--log-level", default="warning")
     standalone = p.add_argument_group("standalone (without --plan)")
@@ -171,8 +175,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     standalone.add_argument("--max-adapter-global-batch-size", type=int, default=1 << 16)
     standalone.add_argument("--dp-size", type=int, default=1)
     standalone.add_argument("--save-root", default=".", help="adapters save inside <save-root>/adapters")
-    standalone.add_argument("--data-root", action="append", default=[],
-                            help="a folder adapters may read data files from (repeatable; also: bundled, save root)")
+    standalone.add_argument(
+        "--data-root",
+        action="append",
+        default=[],
+        help="a folder adapters may read data files from (repeatable; also: bundled, save root)",
+    )
     standalone.add_argument("--lora-rank", type=int, help="default rank (else the max rank)")
     standalone.add_argument("--lora-alpha", type=float, default=AdaptersConfig.alpha)
     standalone.add_argument("--lr", type=float, default=1e-3)

@@ -111,7 +111,6 @@ def display_setting(key: str, composed: ComposedConfig) -> tuple[str, Any]:
     return provenance.display(key, lookup(cfg, key))
 
 
-
 def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
     engines = build_engines(cfg, d)
     router = build_router(cfg, d, engines)
@@ -124,8 +123,12 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
         model=cfg.model,
         model_path=d.model_path,
         cluster=ClusterPlan(
-            cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.cluster.gpu_type, cfg.cluster.cpu_only,
-            d.devices_per_node, d.total_devices,
+            cfg.cluster.nodes,
+            cfg.cluster.gpus_per_node,
+            cfg.cluster.gpu_type,
+            cfg.cluster.cpu_only,
+            d.devices_per_node,
+            d.total_devices,
         ),
         trainer=build_trainer(cfg, d),
         engines=engines,
@@ -174,7 +177,15 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
         backend=cfg.trainer.backend,
         lora_mode=cfg.trainer.lora_mode,
         parallel=Parallelism(
-            p.tp, p.pp, p.cp, p.ep, p.etp, d.dp_size, d.trainer_world_size, p.micro_batch_size, p.qkv_format,
+            p.tp,
+            p.pp,
+            p.cp,
+            p.ep,
+            p.etp,
+            d.dp_size,
+            d.trainer_world_size,
+            p.micro_batch_size,
+            p.qkv_format,
             p.recompute,
         ),
         placements=[list(s) for s in trainer_devices(d)],
@@ -199,12 +210,25 @@ def build_engines(cfg: MilesConfig, d: Derived) -> list[EnginePlan]:
         nodes = list(layout)
         launches = [engine_launch(cfg, d, i, nodes, layout[node], rank) for rank, node in enumerate(nodes)]
         ranks = [EngineRank(r, nodes[r], layout[nodes[r]], launches[r]) for r in range(1, len(nodes))]
-        engines.append(EnginePlan(i, cfg.engine.kind, cfg.engine.build, nodes, layout[nodes[0]], cfg.engine.tp_size,
-                                  cfg.engine.ep_size, launches[0], cfg.engine.startup_timeout_s, ranks))  # fmt: skip
+        engines.append(
+            EnginePlan(
+                i,
+                cfg.engine.kind,
+                cfg.engine.build,
+                nodes,
+                layout[nodes[0]],
+                cfg.engine.tp_size,
+                cfg.engine.ep_size,
+                launches[0],
+                cfg.engine.startup_timeout_s,
+                ranks,
+            )
+        )
     return engines
 
 
-def engine_launch(cfg: MilesConfig, d: Derived, index: int, nodes: list[int], device_ids: list[int], rank: int
+def engine_launch(
+    cfg: MilesConfig, d: Derived, index: int, nodes: list[int], device_ids: list[int], rank: int
 ) -> Launch:
     """Node rank `rank` of engine `index`, on nodes[rank], serving on its engine_rank_port (plan/devices.py). Across
     nodes every rank runs SGLang's same command with its --node-rank, all meeting at rank 0's node on the engine's
@@ -223,8 +247,14 @@ def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> Rou
     if cfg.router.kind == "none":
         return None
     urls, host = [e.launch.url for e in engines], host_on(cfg, SERVICES_NODE)
-    argv = render.router_argv(host, cfg.router.port, d.router_policy, urls, metrics_port=cfg.router.metrics_port,
-                              api_key_env=cfg.security.api_key_env)
+    argv = render.router_argv(
+        host,
+        cfg.router.port,
+        d.router_policy,
+        urls,
+        metrics_port=cfg.router.metrics_port,
+        api_key_env=cfg.security.api_key_env,
+    )
     return RouterPlan(d.router_policy, Launch(argv, host, cfg.router.port, {}, "/health"))
 
 
@@ -239,8 +269,7 @@ def build_session(
     # session.host is the single-node bind address; across nodes the server binds node 0's own address (the
     # rule multi-node-session-host refuses another session.host there).
     host = cfg.session.host if cfg.cluster.nodes == 1 else host_on(cfg, SERVICES_NODE)
-    argv = render.session_argv(cfg, d, host=host, router_url=router_url, engine_urls=engine_urls,
-                               lora_name=lora_name)
+    argv = render.session_argv(cfg, d, host=host, router_url=router_url, engine_urls=engine_urls, lora_name=lora_name)
     return SessionPlan(
         version=cfg.session.version,
         lora_name=lora_name,
@@ -275,10 +304,18 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
 def build_adapters(cfg: MilesConfig, d: Derived) -> list[AdapterSpec]:
     a, r = cfg.adapters, cfg.rollout
     if a.kind == "single":
-        values = {"rank": a.rank, "alpha": a.alpha, "target_modules": d.target_modules, "task": r.task,
-                  "reward": r.reward, "lr": cfg.optimizer.lr, "rollout_batch_size": r.rollout_batch_size,
-                  "n_samples_per_prompt": r.n_samples_per_prompt, "data": resolve_data_path(r.data),
-                  "init_path": absolute_path(a.path)}  # fmt: skip
+        values = {
+            "rank": a.rank,
+            "alpha": a.alpha,
+            "target_modules": d.target_modules,
+            "task": r.task,
+            "reward": r.reward,
+            "lr": cfg.optimizer.lr,
+            "rollout_batch_size": r.rollout_batch_size,
+            "n_samples_per_prompt": r.n_samples_per_prompt,
+            "data": resolve_data_path(r.data),
+            "init_path": absolute_path(a.path),
+        }
         return [adapter_spec(d.engine_lora_names[0], d.engine_lora_names[0], values, dropout=a.dropout)]
     if a.kind != "multi":
         return []

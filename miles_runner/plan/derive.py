@@ -98,7 +98,8 @@ def derive(cfg: MilesConfig) -> Derived:
         global_batch_size=gbs,
         max_adapter_global_batch_size=4 * gbs,
         # Only the group estimators divide by the group std (the REINFORCE++ ones whiten the whole batch instead).
-        normalize_std=cfg.algorithm.normalize_advantages_by_std and (cfg.rollout.n_samples_per_prompt > 1 or multi)
+        normalize_std=cfg.algorithm.normalize_advantages_by_std
+        and (cfg.rollout.n_samples_per_prompt > 1 or multi)
         and cfg.algorithm.advantage_estimator in ("grpo", "gspo"),
         is_moe=cfg.model.num_experts > 0,
         model_path=resolve_model_path(cfg.model.path),
@@ -152,14 +153,26 @@ def adapter_value(run: AdapterEntry, field: str, cfg: MilesConfig):
     }
     return fallback.get(field, own)
 
+
 def adapter_values(cfg: MilesConfig, run: AdapterEntry) -> dict[str, Any]:
     """A configured adapter's resolved settings: its own values over the `adapters.*` defaults."""
     values = {key: adapter_value(run, key, cfg) for key in ADAPTER_FIELDS}
     return {**values, "target_modules": resolved_targets(cfg, values["target_modules"])}
 
 
-ADAPTER_FIELDS = ("rank", "alpha", "target_modules", "lr", "rollout_batch_size", "n_samples_per_prompt",
-                  "num_step", "num_epoch", "task", "reward", "agent")  # fmt: skip
+ADAPTER_FIELDS = (
+    "rank",
+    "alpha",
+    "target_modules",
+    "lr",
+    "rollout_batch_size",
+    "n_samples_per_prompt",
+    "num_step",
+    "num_epoch",
+    "task",
+    "reward",
+    "agent",
+)
 
 
 def max_lora_rank(cfg: MilesConfig) -> int:

@@ -71,9 +71,11 @@ class Launch:
     def on_nodes(self, addresses: Sequence[str]) -> Launch:
         """This launch with the nodes' own addresses in place of their placeholders (host, argv and env)."""
         return dataclasses.replace(
-            self, host=fill_node_hosts(self.host, addresses), argv=[fill_node_hosts(a, addresses) for a in self.argv],
+            self,
+            host=fill_node_hosts(self.host, addresses),
+            argv=[fill_node_hosts(a, addresses) for a in self.argv],
             env={k: fill_node_hosts(v, addresses) for k, v in self.env.items()},
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,9 @@ class EnginePlan:
 
     def placements(self) -> list[tuple[int, int]]:
         """Every (node, device) the engine runs on, all its node ranks."""
-        return [(self.nodes[0], s) for s in self.device_ids] + [(r.node, s) for r in self.node_ranks for s in r.device_ids]
+        return [(self.nodes[0], s) for s in self.device_ids] + [
+            (r.node, s) for r in self.node_ranks for s in r.device_ids
+        ]
 
 
 def engine_rank_name(index: int, node_rank: int) -> str:
@@ -173,8 +177,6 @@ class SessionPlan:
     tito_model: str
     launch: Launch
     message_matcher: str = "strict"
-
-
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,21 @@ from miles_runner.core.sglang_protocol import SGLANG_VERSION
 from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
 
 TRACKED_PACKAGES = (
-    "miles-runner", "hydra-core", "omegaconf", "torch", "transformers", "peft", "ray", "sglang",
-    "sglang-router", "megatron-core", "wandb", "fastapi", "uvicorn", "httpx", "aiohttp",
+    "miles-runner",
+    "hydra-core",
+    "omegaconf",
+    "torch",
+    "transformers",
+    "peft",
+    "ray",
+    "sglang",
+    "sglang-router",
+    "megatron-core",
+    "wandb",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "aiohttp",
 )
 
 

@@ -47,8 +47,14 @@ def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, node_rank
         if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:  # spec: LoRA ∧ colocate ∧ flag
             argv.append("--enable-weights-cpu-backup")
         if node_rank:
-            argv += ["--nnodes", str(node_rank.nnodes), "--node-rank", str(node_rank.rank),
-                     "--dist-init-addr", node_rank.dist_init_addr]  # fmt: skip
+            argv += [
+                "--nnodes",
+                str(node_rank.nnodes),
+                "--node-rank",
+                str(node_rank.rank),
+                "--dist-init-addr",
+                node_rank.dist_init_addr,
+            ]
     else:  # the embedded engine serves as the plan's SGLang build (an SGLang engine is whichever is installed)
         argv += ["--engine-build", e.build, "--max-n", str(e.max_n), "--max-batch-size", str(e.max_batch_size)]
     if d.lora_rollout_enabled:
@@ -92,9 +98,23 @@ def router_argv(
 ) -> list[str]:
     """The real sglang-router's command line; its metrics exporter binds `host` too (default is 0.0.0.0). With
     the run's key, sglang-router 0.3.2 sends it to its workers and requires it on every route but /health."""
-    return ["sglang-router", "launch", "--host", host, "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            *key_flags("--api-key", api_key_env)]  # fmt: skip
+    return [
+        "sglang-router",
+        "launch",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+        *key_flags("--api-key", api_key_env),
+    ]
 
 
 def session_argv(
@@ -127,12 +147,32 @@ def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
 def trainer_rank_launch(run_dir: str, rank: int, device: int, master_address: str, master_port: int) -> Launch:
     """A follower trainer rank on device `device` of its node: it reads RUN_DIR/plan.yaml (a folder every node
     shares) and joins rank 0's group at master_address:master_port. It serves nothing (no health check)."""
-    argv = [PYTHON, "-m", "miles_runner.trainer.ranks", run_dir, "--rank", str(rank),
-            "--master-address", master_address, "--master-port", str(master_port)]  # fmt: skip
+    argv = [
+        PYTHON,
+        "-m",
+        "miles_runner.trainer.ranks",
+        run_dir,
+        "--rank",
+        str(rank),
+        "--master-address",
+        master_address,
+        "--master-port",
+        str(master_port),
+    ]
     return Launch(argv, env={"LOCAL_RANK": str(device)}, health_path="")
 
 
 def controller_argv(host: str, port: int, api_key_env: str = "") -> list[str]:
     """The multi-LoRA controller service; it requires the run's key (and sends it to the engines it aborts on)."""
-    return [PYTHON, "-m", "miles_runner.multi_lora.http_server", "--plan", "plan.yaml", "--host", host,
-            "--port", str(port), *key_env_flags(api_key_env)]
+    return [
+        PYTHON,
+        "-m",
+        "miles_runner.multi_lora.http_server",
+        "--plan",
+        "plan.yaml",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *key_env_flags(api_key_env),
+    ]

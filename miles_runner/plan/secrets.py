@@ -61,7 +61,6 @@ def fill_secrets(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     return [PLACEHOLDER.sub(lambda m: secret_value(m.group(1), environ), arg) for arg in argv]
 
 
-
 def key_environment(env_name: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The run's key as an environment for a process on another node (a Ray actor's runtime_env): {} without a key."""
     return {env_name: secret_value(env_name, environ)} if env_name else {}

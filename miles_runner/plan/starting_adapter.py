@@ -21,8 +21,9 @@ def starting_adapter_problems(path: str, *, rank: int, alpha: float, targets: li
     config = json.loads((folder / CONFIG).read_text())
     problems = []
     if config.get("r") != rank or float(config.get("lora_alpha", 0)) != float(alpha):
-        problems.append(f"it has rank {config.get('r')} and alpha {config.get('lora_alpha')}; the plan {rank} and "
-                        f"{alpha:g}")  # fmt: skip
+        problems.append(
+            f"it has rank {config.get('r')} and alpha {config.get('lora_alpha')}; the plan {rank} and {alpha:g}"
+        )
     if sorted(config.get("target_modules") or []) != sorted(targets):
         problems.append(f"it targets {sorted(config.get('target_modules') or [])}; the plan {sorted(targets)}")
     trained_on = config.get("base_model_name_or_path")

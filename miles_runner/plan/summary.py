@@ -28,8 +28,12 @@ def summarize(plan: Plan, plan_path: str) -> str:
         names = ", ".join(a.name for a in plan.adapters) or "none yet"
         rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port}"))
     rows.append(("auth", auth_line(plan)))
-    rows += [("sync", sync_line(plan)), ("verify", verify_line(plan)), ("batches", batch_line(plan)),
-             ("derived", derived_line(plan))]
+    rows += [
+        ("sync", sync_line(plan)),
+        ("verify", verify_line(plan)),
+        ("batches", batch_line(plan)),
+        ("derived", derived_line(plan)),
+    ]
     width = max(len(k) for k, _ in rows)
     head = f"plan {plan.name} -> {plan_path}"
     return "\n".join([head, *(f" {k:<{width}}  {v}" for k, v in rows), " commands", *command_lines(plan)])
@@ -59,8 +63,10 @@ def node_lines(plan: Plan) -> list[str]:
     labels = engine_rank_labels(plan)
     for name, launch in server_launches(plan):
         on_node[launch.node].append(labels.get(name, name))
-    return [f"{', '.join(names) or 'nothing'}; address {node_host(k)}: the Ray node offering {node_resource(k)}"
-            for k, names in enumerate(on_node)]  # fmt: skip
+    return [
+        f"{', '.join(names) or 'nothing'}; address {node_host(k)}: the Ray node offering {node_resource(k)}"
+        for k, names in enumerate(on_node)
+    ]
 
 
 def engine_rank_labels(plan: Plan) -> dict[str, str]:
@@ -69,14 +75,18 @@ def engine_rank_labels(plan: Plan) -> dict[str, str]:
     for e in plan.engines:
         if e.node_ranks:
             labels[e.name] = f"{e.name} (node rank 0 of {len(e.nodes)})"
-            labels |= {engine_rank_name(e.index, r.node_rank): f"{e.name} (node rank {r.node_rank} of {len(e.nodes)})"
-                       for r in e.node_ranks}  # fmt: skip
+            labels |= {
+                engine_rank_name(e.index, r.node_rank): f"{e.name} (node rank {r.node_rank} of {len(e.nodes)})"
+                for r in e.node_ranks
+            }
     return labels
 
 
 # What trainer=megatron builds for each lora_mode, and how it lays the samples of a micro-batch out.
-MEGATRON_LORA = {"raw": "megatron-core, raw LoRA on megatron linears",
-                 "bridge": "megatron-core + Megatron-Bridge PEFT LoRA"}  # fmt: skip
+MEGATRON_LORA = {
+    "raw": "megatron-core, raw LoRA on megatron linears",
+    "bridge": "megatron-core + Megatron-Bridge PEFT LoRA",
+}
 QKV_FORMATS = {"thd": "thd packs samples", "bshd": "bshd pads rows"}
 
 
@@ -184,8 +194,12 @@ def sync_line(plan: Plan) -> str:
 
 def verify_line(plan: Plan) -> str:
     s = plan.weight_sync
-    gap = (f"every engine's logprob gap <= {s.max_logprob_gap:g} on a fixed probe right after each push, before "
-           "training further" if s.verify else "logprob gap off (weight_sync.verify)")  # fmt: skip
+    gap = (
+        f"every engine's logprob gap <= {s.max_logprob_gap:g} on a fixed probe right after each push, before "
+        "training further"
+        if s.verify
+        else "logprob gap off (weight_sync.verify)"
+    )
     return f"every engine reports each pushed weight version; {gap}"
 
 
@@ -199,12 +213,18 @@ def batch_line(plan: Plan) -> str:
 
 def derived_line(plan: Plan) -> str:
     c = plan.capabilities
-    on = [name for name, value in (
-        ("offload train", c.offload_train), ("offload rollout", c.offload_rollout),
-        ("routing replay", c.use_routing_replay), ("addition R3", c.use_addition_r3),
-        ("std-normalised advantages", c.normalize_advantages_by_std),
-        ("dynamic global batch", c.use_dynamic_global_batch_size),
-    ) if value]
+    on = [
+        name
+        for name, value in (
+            ("offload train", c.offload_train),
+            ("offload rollout", c.offload_rollout),
+            ("routing replay", c.use_routing_replay),
+            ("addition R3", c.use_addition_r3),
+            ("std-normalised advantages", c.normalize_advantages_by_std),
+            ("dynamic global batch", c.use_dynamic_global_batch_size),
+        )
+        if value
+    ]
     return ", ".join(on) or "nothing"
 
 

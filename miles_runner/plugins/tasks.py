@@ -109,8 +109,7 @@ class CountTask(Task):
 
     def make(self, index: int, rng: random.Random) -> Prompt:
         words = [rng.choice(self.WORDS) for _ in range(rng.randint(1, 6))]
-        return Prompt(index, _user(f"How many words: {' '.join(words)}? Reply with a single number."),
-                      str(len(words)))
+        return Prompt(index, _user(f"How many words: {' '.join(words)}? Reply with a single number."), str(len(words)))
 
 
 @TASKS.register("count_retry")

@@ -72,4 +72,3 @@ def launch_process(
         health_url=launch.url + launch.health_path if launch.health_path else None,
         startup_timeout_s=startup_timeout_s,
     )
-

@@ -53,8 +53,12 @@ def free_port_block(count: int, host: str = LOOPBACK, attempts: int = ATTEMPTS, 
     for _ in range(attempts):
         base = _pick.choice(candidates) if len(candidates) > count else _kernel_port(host)
         block = [(host, base + i) for i in range(count)]
-        if (base + count <= 65536 and not _handed_out.intersection(block) and not any(p in avoid for _, p in block)
-                and all(port_is_free(*p) for p in block)):  # fmt: skip
+        if (
+            base + count <= 65536
+            and not _handed_out.intersection(block)
+            and not any(p in avoid for _, p in block)
+            and all(port_is_free(*p) for p in block)
+        ):
             _handed_out.update(block)
             return base
     raise RuntimeError(f"no block of {count} free consecutive ports found on {host}")

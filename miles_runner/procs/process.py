@@ -159,15 +159,20 @@ class ManagedProcess:
     def start_failed(self, reason: str) -> ProcessStartError:
         """Stop the process (group) and return the error to raise: reason, exit code and log tail."""
         code = self.stop()
-        return ProcessStartError(self.name, f"{reason} (exit code {code})", log_path=str(self.log_path),
-                                 log_tail=self.log_tail())
+        return ProcessStartError(
+            self.name, f"{reason} (exit code {code})", log_path=str(self.log_path), log_tail=self.log_tail()
+        )
 
     def died(self) -> ComponentFailure | None:
         """The failure to report if this process has exited (it never should while its run goes on)."""
         if self.alive:
             return None
-        return ComponentFailure(self.name, f"exited with code {self.returncode} while the run was going on",
-                                log_path=str(self.log_path), log_tail=self.log_tail())
+        return ComponentFailure(
+            self.name,
+            f"exited with code {self.returncode} while the run was going on",
+            log_path=str(self.log_path),
+            log_tail=self.log_tail(),
+        )
 
     def __enter__(self) -> ManagedProcess:
         self.start()

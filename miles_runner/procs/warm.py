@@ -59,18 +59,49 @@ WARM_START_ENV = "MILES_WARM_START"
 WARM_START_OFF = "off"  # the variable's value that turns warm starts off (the tests start a server unless told so)
 RUNNER_MODULES = ("miles_runner.",)
 PRELOAD = (
-    "numpy", "torch", "torch.distributed", "safetensors.torch", "tokenizers", "transformers",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.qwen2.modeling_qwen2", "peft",
-    "fastapi", "starlette.responses", "uvicorn", "httpx", "aiohttp", "pydantic", "yaml",
-    "openai", "hydra", "omegaconf",  # a run's driver (warm_exec): its agents' client, its config composition
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "safetensors.torch",
+    "tokenizers",
+    "transformers",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.qwen2.modeling_qwen2",
+    "peft",
+    "fastapi",
+    "starlette.responses",
+    "uvicorn",
+    "httpx",
+    "aiohttp",
+    "pydantic",
+    "yaml",
+    "openai",
+    "hydra",
+    "omegaconf",  # a run's driver (warm_exec): its agents' client, its config composition
     "matplotlib.pyplot",  # ...and its end-of-run plot (tracking/plots.py): 0.36 s of CPU to import
-)  # fmt: skip
+)
 # Variables read at load by native code (the interpreter, the loader, libgomp, OpenBLAS, torch's C++), which the
 # server cannot watch: a request must agree with it on these. What Python code reads at import is recorded.
 NATIVE_PREFIXES = (
-    "PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_", "TZ", "LANG", "LC_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
-    "GOTO", "BLIS_", "CUDA_", "NCCL_", "TORCH", "PYTORCH",
-)  # fmt: skip
+    "PYTHON",
+    "LD_",
+    "GLIBC_TUNABLES",
+    "MALLOC_",
+    "TZ",
+    "LANG",
+    "LC_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "GOTO",
+    "BLIS_",
+    "CUDA_",
+    "NCCL_",
+    "TORCH",
+    "PYTORCH",
+)
 # Libraries that iterate the environment at import for their own prefix (tqdm's envwrap, fsspec's config).
 ITERATED_PREFIXES = ("TQDM_", "FSSPEC_")
 # PYTHONBREAKPOINT is read at each breakpoint() call, not at start.
@@ -141,8 +172,13 @@ class WarmChild:
         self._lines.conn.close()
 
 
-def warm_start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, log_path: Path | None,
-               stdio: Sequence[int] = ()) -> WarmChild | None:  # fmt: skip
+def warm_start(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | Path | None,
+    log_path: Path | None,
+    stdio: Sequence[int] = (),
+) -> WarmChild | None:
     """The child forked by the warm server that `env` names, or None (then it starts cold, as usual): no
     server named, not a runner module, or the server's answer was that this one must start cold (logged). Its
     output goes to `log_path`, or with `log_path` None to `stdio` (the descriptors of its stdin, stdout, stderr)."""
@@ -152,8 +188,12 @@ def warm_start(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | No
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lines = _Lines(conn)
     # A cold child with no cwd of its own inherits ours; the server's is another.
-    request = {"argv": list(argv), "env": dict(env), "cwd": str(cwd or os.getcwd()),
-               "log_path": None if log_path is None else str(log_path)}  # fmt: skip
+    request = {
+        "argv": list(argv),
+        "env": dict(env),
+        "cwd": str(cwd or os.getcwd()),
+        "log_path": None if log_path is None else str(log_path),
+    }
     data = json.dumps(request).encode() + b"\n"
     try:
         conn.connect(address)
@@ -176,8 +216,16 @@ def python_module(argv: Sequence[str]) -> str | None:
 
 def server_argv(socket_path: str | Path, *options: str) -> list[str]:
     """The server's command line (`options`: --preload, --modules); the room for the children's argv last."""
-    return [sys.executable, "-m", "miles_runner.procs.warm", "--socket", str(socket_path), *options,
-            "--room", "x" * ARGV_ROOM]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "miles_runner.procs.warm",
+        "--socket",
+        str(socket_path),
+        *options,
+        "--room",
+        "x" * ARGV_ROOM,
+    ]
 
 
 def wait_ready(socket_path: str | Path, alive: Callable[[], bool], timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -408,8 +456,7 @@ class _RecordingEnviron(os._Environ):  # type: ignore[name-defined]
     of them: a lookup out of that order ends the walk and counts."""
 
     def __init__(self, environ: os._Environ) -> None:  # type: ignore[name-defined]
-        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue,
-                         environ.decodevalue)  # fmt: skip
+        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue, environ.decodevalue)
         self.read: set[str] = set()
         self._walk: list[str] = []
 
@@ -461,8 +508,10 @@ def _checked_request(request: object, fds: int) -> dict:
     if not (isinstance(request["cwd"], str) and isinstance(request["log_path"], str | None)):
         raise ValueError("cwd must be a string and log_path a string or null")
     if fds != (STDIO_FDS if request["log_path"] is None else 0):
-        raise ValueError(f"{fds} descriptors came with it: a null log_path takes {STDIO_FDS} (stdin, stdout, stderr), "
-                         "a log path none")
+        raise ValueError(
+            f"{fds} descriptors came with it: a null log_path takes {STDIO_FDS} (stdin, stdout, stderr), "
+            "a log path none"
+        )
     return request
 
 
@@ -551,8 +600,13 @@ def main(argv: list[str] | None = None) -> None:
     environ, started = dict(os.environ), time.monotonic()
     imported, read = preload(args.preload)
     gc.collect()  # what the imports left as garbage is freed, not frozen with the rest before the first fork
-    log.info("preloaded %d modules in %.1f s, which read %d environment variables: %s",
-             len(imported), time.monotonic() - started, len(read), ", ".join(imported))  # fmt: skip
+    log.info(
+        "preloaded %d modules in %.1f s, which read %d environment variables: %s",
+        len(imported),
+        time.monotonic() - started,
+        len(read),
+        ", ".join(imported),
+    )
     task = WarmServer(args.socket, environ, read, args.modules).run()
     run_child(task)
 

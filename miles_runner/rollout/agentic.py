@@ -53,8 +53,9 @@ class SessionClients:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the run's key, on every call
         self._timeout = dict.fromkeys(("pool", "connect", "read"), SESSION_CALL_TIMEOUT_S)
         self.transport = aiohttp_transport(max_connections=1024)
-        self.http = http_client(session_url, timeout_s=SESSION_CALL_TIMEOUT_S, headers=self._headers or None,
-                                transport=self.transport)  # fmt: skip
+        self.http = http_client(
+            session_url, timeout_s=SESSION_CALL_TIMEOUT_S, headers=self._headers or None, transport=self.transport
+        )
         self.openai = openai.AsyncOpenAI(base_url=session_url, api_key=api_key or "local", http_client=self.http)
 
     def agent_client(self, session_id: str) -> Any:
@@ -77,8 +78,9 @@ class SessionClients:
         """One call on the transport directly, without httpx's request and response objects (through httpx, the three
         session calls were a third of an episode's client CPU); transport failures raise httpx's errors."""
         headers = {**self._headers, "Content-Type": "application/json"} if body is not None else self._headers
-        answer = await self.transport.fetch(method, f"{self.url}{path}", headers=headers, content=body,
-                                            timeout=self._timeout)  # fmt: skip
+        answer = await self.transport.fetch(
+            method, f"{self.url}{path}", headers=headers, content=body, timeout=self._timeout
+        )
         if check and answer.status != 200:
             text = answer.content.decode(errors="replace")
             raise SessionCallError(f"session server {method} {path}", answer.status, text)
@@ -144,9 +146,14 @@ def chat_fn(ctx: RolloutContext, client: Any, before_turn: BeforeTurn | None = N
         # The body chat.completions.create would send, through the same client and into the same ChatCompletion,
         # without create()'s walk of every message against the SDK's typed-dict unions, which changes nothing in
         # plain-text messages and cost 1.1 ms a call for a 4-message turn (openai 3.60; 128 turns a step).
-        body = {"messages": messages, "model": "default", "max_tokens": params["max_new_tokens"],
-                "temperature": params["temperature"], "top_p": params["top_p"],
-                "top_k": params["top_k"]}  # fmt: skip  (top_k: not OpenAI's; SGLang's chat request takes it)
+        body = {
+            "messages": messages,
+            "model": "default",
+            "max_tokens": params["max_new_tokens"],
+            "temperature": params["temperature"],
+            "top_p": params["top_p"],
+            "top_k": params["top_k"],  # not OpenAI's: SGLang's chat request takes it
+        }
         completion = await client.post("/chat/completions", body=body, cast_to=ChatCompletion)
         choice = completion.choices[0]
         if choice.finish_reason == "abort":

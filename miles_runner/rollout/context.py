@@ -53,8 +53,7 @@ class RolloutContext:
 
     def sampling_params(self) -> dict[str, Any]:
         r = self.plan.rollout
-        return {"max_new_tokens": r.max_response_len, "temperature": r.temperature, "top_p": r.top_p,
-                "top_k": r.top_k}
+        return {"max_new_tokens": r.max_response_len, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k}
 
 
 def rollout_engines(plan: Plan, engine_urls: Sequence[str], *, api_key: str | None = None) -> EnginePool:

@@ -68,9 +68,16 @@ def _generate_turn(model, tokenizer, episodes: list[_Episode], settings: Samplin
     ids, mask = _left_pad([e.ids for e in episodes], tokenizer.pad_token_id)
     with recording(model) if settings.return_routed_experts else nullcontext() as routers:
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
         )
     new_tokens = out.sequences[:, ids.shape[1] :]
     routing = _batch_routing(model, routers, len(episodes)) if routers is not None else None
@@ -95,8 +102,10 @@ def _batch_routing(model, routers: dict[int, list[torch.Tensor]], batch: int) ->
     """The recorded choices as ``[batch, positions, num_layers, top_k]`` int32 over every forwarded position (the
     prompt forward, then one position per decoding step); dense layers stay 0, as SGLang leaves them."""
     layout = routing_layout(model)
-    per_layer = {layer: torch.cat([c.reshape(batch, -1, layout.top_k) for c in chosen], dim=1)
-                 for layer, chosen in routers.items()}  # fmt: skip
+    per_layer = {
+        layer: torch.cat([c.reshape(batch, -1, layout.top_k) for c in chosen], dim=1)
+        for layer, chosen in routers.items()
+    }
     positions = next(iter(per_layer.values())).shape[1]
     routing = np.zeros((batch, positions, layout.num_layers, layout.top_k), dtype=np.int32)
     for layer, choices in per_layer.items():
@@ -116,15 +125,27 @@ def _append_feedback(tokenizer, episode: _Episode, feedback: str) -> None:
 def _to_sample(episode: _Episode, reward: float) -> Sample:
     status = SampleStatus.TRUNCATED if episode.truncated else SampleStatus.COMPLETED
     return Sample(
-        tokens=episode.ids, response_length=len(episode.ids) - episode.prompt_length, loss_mask=episode.loss_mask,
-        rollout_log_probs=episode.log_probs, rollout_routed_experts=episode.routed_experts, status=status,
-        response="\n".join(episode.replies), reward=reward,
+        tokens=episode.ids,
+        response_length=len(episode.ids) - episode.prompt_length,
+        loss_mask=episode.loss_mask,
+        rollout_log_probs=episode.log_probs,
+        rollout_routed_experts=episode.routed_experts,
+        status=status,
+        response="\n".join(episode.replies),
+        reward=reward,
         metadata={"prompt_index": episode.prompt.index, "turns": len(episode.replies)},
     )
 
 
-def generate_samples(model, tokenizer, task: Task, prompts: Sequence[Prompt], n_samples: int,
-                     reward_fn: RewardFn, settings: SamplingSettings) -> list[Sample]:
+def generate_samples(
+    model,
+    tokenizer,
+    task: Task,
+    prompts: Sequence[Prompt],
+    n_samples: int,
+    reward_fn: RewardFn,
+    settings: SamplingSettings,
+) -> list[Sample]:
     """``n_samples`` rewarded episodes per prompt, ordered group by group (the GRPO layout)."""
     episodes = []
     for prompt in prompts:

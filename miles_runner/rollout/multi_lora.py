@@ -196,6 +196,11 @@ def unposted_sample(prompt: Prompt) -> Sample:
     """A sample with no tokens, ABORTED: its request was not posted (the adapter is no longer sampleable) or
     its answer cannot be trained on (the request failed, or its episode ended aborted)."""
     return Sample(
-        tokens=[], response_length=0, loss_mask=[], rollout_log_probs=[], rollout_routed_experts=None,
-        status=SampleStatus.ABORTED, metadata={"prompt_index": prompt.index, "label": prompt.label},
-    )  # fmt: skip
+        tokens=[],
+        response_length=0,
+        loss_mask=[],
+        rollout_log_probs=[],
+        rollout_routed_experts=None,
+        status=SampleStatus.ABORTED,
+        metadata={"prompt_index": prompt.index, "label": prompt.label},
+    )

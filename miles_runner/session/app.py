@@ -205,9 +205,13 @@ def _add_proxied_routes(app: FastAPI, keyed: bool) -> None:
 
     for path in PROXIED_GET_PATHS:
         app.add_api_route(
-            f"/sessions/{{session_id}}{path}", proxied_route(path), methods=["GET"], response_class=Response,
-            responses=responses, name=f"proxy {path}",
-        )  # fmt: skip
+            f"/sessions/{{session_id}}{path}",
+            proxied_route(path),
+            methods=["GET"],
+            response_class=Response,
+            responses=responses,
+            name=f"proxy {path}",
+        )
 
     @app.get(f"/sessions/{{session_id}}{MODEL_CARD_ROUTE}", response_class=Response, responses=responses)
     async def model_card(session_id: str, model: str, request: Request) -> Response:

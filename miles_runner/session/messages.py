@@ -159,11 +159,16 @@ def _json_object(arguments: Any) -> tuple | None:
         return ("object", ())
     try:
         parsed = (
-            json.loads(arguments, object_pairs_hook=_unique_keys, parse_float=Decimal, parse_int=Decimal,
-                       parse_constant=_no_constant)
+            json.loads(
+                arguments,
+                object_pairs_hook=_unique_keys,
+                parse_float=Decimal,
+                parse_int=Decimal,
+                parse_constant=_no_constant,
+            )
             if isinstance(arguments, str)
             else arguments
-        )  # fmt: skip
+        )
         return _tagged(parsed) if isinstance(parsed, dict) else None
     except (ValueError, TypeError, RecursionError):
         return None

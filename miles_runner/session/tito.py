@@ -90,9 +90,13 @@ class TitoTokenizer:
         try:
             if kwargs.keys() & self._own_parameters:  # e.g. tokenize, documents: SGLang passes them on to the method
                 return self.tokenizer.apply_chat_template(
-                    template_view(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-                    chat_template=self.chat_template, **kwargs,
-                )  # fmt: skip
+                    template_view(messages),
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    chat_template=self.chat_template,
+                    **kwargs,
+                )
             return self._render_plain(messages, tools, add_generation_prompt, kwargs)
         except (TemplateError, TypeError, ValueError, KeyError) as error:
             # A template that cannot render the request is the request's problem (a 400), not a crash.
@@ -109,9 +113,12 @@ class TitoTokenizer:
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation.")
         [text], _ = render_jinja_template(
-            [conversation], tools=tools, chat_template=self.tokenizer.get_chat_template(self.chat_template, tools),
-            add_generation_prompt=add_generation_prompt, **{**self.tokenizer.special_tokens_map, **kwargs},
-        )  # fmt: skip
+            [conversation],
+            tools=tools,
+            chat_template=self.tokenizer.get_chat_template(self.chat_template, tools),
+            add_generation_prompt=add_generation_prompt,
+            **{**self.tokenizer.special_tokens_map, **kwargs},
+        )
         return text
 
     def encode(self, text: str) -> list[int]:
@@ -234,8 +241,12 @@ class FixedTemplateFamily(TitoTokenizer):
         template_kwargs: dict[str, Any],
     ) -> list[int]:
         check_append_roles(appended, self.allowed_append_roles)
-        dummy_assistant = {"role": "assistant", "content": "", "reasoning_content": " ",
-                           "tool_calls": stored_messages[-1].get("tool_calls") or []}  # fmt: skip
+        dummy_assistant = {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": " ",
+            "tool_calls": stored_messages[-1].get("tool_calls") or [],
+        }
         prefix = [_DUMMY_SYSTEM, dummy_assistant]
         without = self.render(prefix, tools=tools, add_generation_prompt=False, template_kwargs=template_kwargs)
         with_appended = self.render(

@@ -23,9 +23,14 @@ from miles_runner.sglang_client.engine_pool import EnginePool
 
 class SessionUpstream:
     def __init__(
-        self, url: str, *, behind_router: bool, api_key: str | None, timeout_s: float,
+        self,
+        url: str,
+        *,
+        behind_router: bool,
+        api_key: str | None,
+        timeout_s: float,
         engine_urls: Sequence[str] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`url`: the router, or without one the engine; `engine_urls`: without a router, every engine the
         sessions are spread over (default: `url` alone)."""
         self.behind_router = behind_router

@@ -40,8 +40,9 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
 
 
-def allowed(*, method: str, path: str, authorization: str | None, level: str,
-            api_key: str | None, admin_api_key: str | None) -> bool:  # fmt: skip
+def allowed(
+    *, method: str, path: str, authorization: str | None, level: str, api_key: str | None, admin_api_key: str | None
+) -> bool:
     """SGLang's ``decide_request_auth`` for the NORMAL and ADMIN_OPTIONAL levels."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return True
@@ -78,9 +79,13 @@ class _AuthMiddleware:
         if scope["type"] == "http":
             authorization = _header(scope, b"authorization")
             if not allowed(
-                method=scope["method"], path=scope["path"], authorization=authorization,
-                level=route_level(self.routes_of, scope), api_key=self.api_key, admin_api_key=self.admin_api_key,
-            ):  # fmt: skip
+                method=scope["method"],
+                path=scope["path"],
+                authorization=authorization,
+                level=route_level(self.routes_of, scope),
+                api_key=self.api_key,
+                admin_api_key=self.admin_api_key,
+            ):
                 await JSONResponse(UNAUTHORIZED, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -62,8 +62,9 @@ def b64decode_into(text: str, out: np.ndarray) -> bool:
     head_bytes = head_chars // QUANTUM * 3
     written = ctypes.c_size_t(0)
     source = _ascii_data()(text, None)
-    if head_chars and (decode(source, head_chars, out.ctypes.data, ctypes.byref(written), 0) != 1
-                       or written.value != head_bytes):  # fmt: skip
+    if head_chars and (
+        decode(source, head_chars, out.ctypes.data, ctypes.byref(written), 0) != 1 or written.value != head_bytes
+    ):
         return False
     try:
         tail = pybase64.b64decode(text[head_chars:], validate=True)

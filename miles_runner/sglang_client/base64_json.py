@@ -25,7 +25,7 @@ def dumps_with_base64(body: Mapping[str, Any], field: str) -> bytes:
     if encoded is None:
         return _dumps(body).encode()
     rest = _dumps({key: value for key, value in body.items() if key != field})
-    head = f'{rest[:-1]}{"," if len(rest) > 2 else ""}{_dumps(field)}:['.encode()
+    head = f"{rest[:-1]}{',' if len(rest) > 2 else ''}{_dumps(field)}:[".encode()
     parts = [head]
     for index, text in enumerate(encoded):
         parts += [b',"' if index else b'"', text, b'"']

@@ -45,11 +45,24 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 REQUEST_FIELDS = ("lora_path", "rid", "extra_key", "return_routed_experts", "routed_experts_start_len")
 # Fields that shape the prompt or the reply rather than the generation, and fields SGLang reads only with a
 # parser the plan never starts.
-REPLY_FIELDS = frozenset({
-    "model", "messages", "tools", "chat_template_kwargs", "input_ids", "max_tokens", "max_completion_tokens",
-    "logprobs", "top_logprobs", "return_meta_info", "user", "parallel_tool_calls", "separate_reasoning",
-    "stream_reasoning",
-})  # fmt: skip
+REPLY_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "chat_template_kwargs",
+        "input_ids",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "return_meta_info",
+        "user",
+        "parallel_tool_calls",
+        "separate_reasoning",
+        "stream_reasoning",
+    }
+)
 _KNOWN_FIELDS = REPLY_FIELDS | set(SAMPLING_FIELDS) | set(REQUEST_FIELDS) | {"tool_choice", "stream"}
 
 
@@ -149,13 +162,18 @@ def _choice(index: int, item: Mapping[str, Any], logprobs: bool, return_meta_inf
     finish = meta.get("finish_reason") or {}
     choice: dict[str, Any] = {
         "index": index,
-        "message": {"role": "assistant", "content": item.get("text") or "", "reasoning_content": None,
-                    "tool_calls": None},
+        "message": {
+            "role": "assistant",
+            "content": item.get("text") or "",
+            "reasoning_content": None,
+            "tool_calls": None,
+        },
         "logprobs": openai_logprobs(meta.get("output_token_logprobs"), meta.get("output_top_logprobs"))
-        if logprobs else None,
+        if logprobs
+        else None,
         "finish_reason": finish.get("type"),
         "matched_stop": finish.get("matched"),
-    }  # fmt: skip
+    }
     if return_meta_info:
         choice["meta_info"] = dict(meta)
     return choice

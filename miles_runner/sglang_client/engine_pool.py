@@ -73,9 +73,13 @@ class EnginePool:
 
     @classmethod
     def for_deployment(
-        cls, router_url: str | None, engine_urls: Sequence[str], *, api_key: str | None = None,
+        cls,
+        router_url: str | None,
+        engine_urls: Sequence[str],
+        *,
+        api_key: str | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    ) -> EnginePool:  # fmt: skip
+    ) -> EnginePool:
         """The engines the router lists as healthy when there is a router, else the plan's engines."""
         if router_url:
             source = router_engines(router_url, healthy_only=True, api_key=api_key)

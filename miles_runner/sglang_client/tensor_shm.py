@@ -46,9 +46,17 @@ SHM_DIR = Path("/dev/shm")
 HANDLE_PREFIX = b"miles-shm:"
 SEGMENT_NAME = re.compile(r"miles-tensors-(\d+)-[0-9a-f]{16}")
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 LOOPBACK_HOSTS = {"localhost", "::1"}
 
@@ -307,8 +315,11 @@ def _header(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int]:
     offset = 0
     for name, tensor in tensors:
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}  # fmt: skip
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
     return header + b" " * (-len(header) % 8), offset

@@ -71,8 +71,15 @@ def bound_store(address: str, port: int, world_size: int, timeout: timedelta) ->
     TCPStore takes a socket that is already listening (`master_listen_fd`), which we bind ourselves."""
     listener = socket.create_server((address, port), backlog=socket.SOMAXCONN)
     try:
-        return dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
-                             master_listen_fd=listener.fileno(), use_libuv=True)
+        return dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            master_listen_fd=listener.fileno(),
+            use_libuv=True,
+        )
     finally:
         listener.close()  # the store holds its own duplicate of the socket
 

@@ -19,7 +19,8 @@ EXECUTOR_KEYS = {"executor": "ray", "executor.kind": "ray", "executor.ray_addres
 SIZE_OPTIONS = {
     "cluster.nodes": re.compile(r"^(-N\s*|--nodes[=\s])"),
     "cluster.gpus_per_node": re.compile(
-        r"^(-G\s*|--gpus[=\s]|--gpus-per-node[=\s]|--gres[=\s]*\S*gpu|--gpus-per-task)"),
+        r"^(-G\s*|--gpus[=\s]|--gpus-per-node[=\s]|--gres[=\s]*\S*gpu|--gpus-per-task)"
+    ),
     "tasks (one per node: Ray's)": re.compile(r"^(-n\s*|--ntasks[=\s]|--ntasks-per-node[=\s])"),
     "array (one per sweep)": re.compile(r"^(-a\s*|--array[=\s])"),
 }
@@ -32,11 +33,15 @@ def executor_problems(overrides: Sequence[str]) -> list[Problem]:
         key, _, value = text.lstrip("+").partition("=")
         wanted = EXECUTOR_KEYS.get(key)
         if wanted is not None and value.strip() != wanted:
-            problems.append(Problem(
-                "slurm-executor-contradiction", [(text, COMMAND_LINE)],
-                "Under hydra/launcher=miles_slurm every job runs with executor=ray and executor.ray_address=auto: "
-                "the Ray the job script starts on the job's nodes.",
-                f"drop {text}"))
+            problems.append(
+                Problem(
+                    "slurm-executor-contradiction",
+                    [(text, COMMAND_LINE)],
+                    "Under hydra/launcher=miles_slurm every job runs with executor=ray and executor.ray_address=auto: "
+                    "the Ray the job script starts on the job's nodes.",
+                    f"drop {text}",
+                )
+            )
     return problems
 
 
@@ -44,24 +49,36 @@ def settings_problems(plan: Plan, settings: SlurmSettings) -> list[Problem]:
     """Launcher settings and extra sbatch lines that contradict the plan's nodes, GPUs or tasks."""
     cluster = plan.cluster
     problems = []
-    planned = {"nodes": (cluster.nodes, "cluster.nodes={}"), "gpus_per_node": (cluster.gpus_per_node,
-               "cluster.gpus_per_node={}"), "tasks_per_node": (1, "drop hydra.launcher.tasks_per_node")}  # fmt: skip
+    planned = {
+        "nodes": (cluster.nodes, "cluster.nodes={}"),
+        "gpus_per_node": (cluster.gpus_per_node, "cluster.gpus_per_node={}"),
+        "tasks_per_node": (1, "drop hydra.launcher.tasks_per_node"),
+    }
     for name, (in_plan, fix) in planned.items():
         value = getattr(settings, name)
         if value is not None and value != in_plan:
-            problems.append(Problem(
-                "slurm-setting-contradicts-plan", [(f"hydra.launcher.{name}={value}", COMMAND_LINE)],
-                f"The plan decides it ({name} is {in_plan} there): the job script runs one Ray per node and the "
-                "plan's placement on them.", fix.format(value)))
+            problems.append(
+                Problem(
+                    "slurm-setting-contradicts-plan",
+                    [(f"hydra.launcher.{name}={value}", COMMAND_LINE)],
+                    f"The plan decides it ({name} is {in_plan} there): the job script runs one Ray per node and the "
+                    "plan's placement on them.",
+                    fix.format(value),
+                )
+            )
     for line in settings.extra_sbatch:
         option = line.strip().removeprefix("#SBATCH").strip()
         for field, pattern in SIZE_OPTIONS.items():
             if pattern.match(option):
-                problems.append(Problem(
-                    "slurm-setting-contradicts-plan", [(f"hydra.launcher.extra_sbatch: {option}", COMMAND_LINE)],
-                    f"The job's {field} come from the plan (cluster.nodes={cluster.nodes}, "
-                    f"cluster.gpus_per_node={cluster.gpus_per_node}); a sbatch line cannot change them.",
-                    _size_fix(field, option)))
+                problems.append(
+                    Problem(
+                        "slurm-setting-contradicts-plan",
+                        [(f"hydra.launcher.extra_sbatch: {option}", COMMAND_LINE)],
+                        f"The job's {field} come from the plan (cluster.nodes={cluster.nodes}, "
+                        f"cluster.gpus_per_node={cluster.gpus_per_node}); a sbatch line cannot change them.",
+                        _size_fix(field, option),
+                    )
+                )
     return problems
 
 

@@ -12,8 +12,20 @@ from pathlib import Path
 from miles_runner.slurm.submit import Manifest, ManifestJob
 from miles_runner.tracking.job_result import JobResult, read_result
 
-ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
-          "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}  # fmt: skip
+ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+}
 
 
 @dataclass(frozen=True)
@@ -30,8 +42,9 @@ class JobState:
 
 def queue_states(array_job_id: str) -> dict[str, tuple[str, str]]:
     """job id (ARRAY_TASK) -> (state, node list) for the array's tasks still in the queue."""
-    out = subprocess.run(["squeue", "-h", "-r", "-j", array_job_id, "-o", "%i|%T|%N"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-j", array_job_id, "-o", "%i|%T|%N"], capture_output=True, text=True
+    ).stdout
     states = {}
     for line in out.splitlines():
         job_id, state, nodes = [*line.split("|"), "", ""][:3]
@@ -73,8 +86,15 @@ def format_states(states: list[JobState]) -> str:
     rows = [("job", "state", "nodes", "steps", "reward", "folder")]
     for s in states:
         result = s.result if s.ended else None
-        rows.append((s.job.job_id, s.state, s.nodes or "-", str(result.steps) if result else "-",
-                     f"{result.final_reward:.3f}" if result and result.final_reward is not None else "-",
-                     s.job.job_dir))
+        rows.append(
+            (
+                s.job.job_id,
+                s.state,
+                s.nodes or "-",
+                str(result.steps) if result else "-",
+                f"{result.final_reward:.3f}" if result and result.final_reward is not None else "-",
+                s.job.job_dir,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows)

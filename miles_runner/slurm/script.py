@@ -33,9 +33,14 @@ def header_options(plan: Plan, settings: SlurmSettings) -> list[str]:
     options = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1"]
     if cluster.gpus_per_node:
         options.append(f"--gpus-per-node={cluster.gpus_per_node}")
-    for flag, value in (("--cpus-per-task", settings.cpus_per_task or ""), ("--mem", settings.mem),
-                        ("--time", settings.time), ("--partition", settings.partition),
-                        ("--account", settings.account), ("--qos", settings.qos)):  # fmt: skip
+    for flag, value in (
+        ("--cpus-per-task", settings.cpus_per_task or ""),
+        ("--mem", settings.mem),
+        ("--time", settings.time),
+        ("--partition", settings.partition),
+        ("--account", settings.account),
+        ("--qos", settings.qos),
+    ):
         if value != "":
             options.append(f"{flag}={value}")
     # A requeued job runs the same script in the same folder and appends to the same log.
@@ -45,28 +50,41 @@ def header_options(plan: Plan, settings: SlurmSettings) -> list[str]:
 
 def render_job_script(plan: Plan, settings: SlurmSettings, job_dir: str | Path, python: str) -> str:
     """A complete sbatch script for this one job (what `--plan` prints; a sweep's array runs its body)."""
-    head = [f"--job-name={job_name(plan, settings)}", *header_options(plan, settings),
-            f"--output={Path(job_dir) / 'sbatch-%j.out'}"]
+    head = [
+        f"--job-name={job_name(plan, settings)}",
+        *header_options(plan, settings),
+        f"--output={Path(job_dir) / 'sbatch-%j.out'}",
+    ]
     return "#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in head) + job_body(plan, settings, job_dir, python)
 
 
 def render_array_script(options: list[str], name: str, sweep_dir: Path, job_dirs: list[Path]) -> str:
     """The sweep as one job array: task i runs the job script of job folder i."""
-    head = [f"--job-name={name}", *options, f"--array=0-{len(job_dirs) - 1}",
-            f"--output={sweep_dir / 'sbatch-%A_%a.out'}"]
+    head = [
+        f"--job-name={name}",
+        *options,
+        f"--array=0-{len(job_dirs) - 1}",
+        f"--output={sweep_dir / 'sbatch-%A_%a.out'}",
+    ]
     cases = "".join(f"  {i}) JOB_DIR={shlex.quote(str(d))} ;;\n" for i, d in enumerate(job_dirs))
-    return ("#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in head)
-            + f'case "$SLURM_ARRAY_TASK_ID" in\n{cases}  *) echo "miles: no job for array task '
-            + '$SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;\nesac\n'
-            + f'exec bash "$JOB_DIR/{JOB_SCRIPT}"\n')
+    return (
+        "#!/bin/bash\n"
+        + "".join(f"#SBATCH {o}\n" for o in head)
+        + f'case "$SLURM_ARRAY_TASK_ID" in\n{cases}  *) echo "miles: no job for array task '
+        + '$SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;\nesac\n'
+        + f'exec bash "$JOB_DIR/{JOB_SCRIPT}"\n'
+    )
 
 
 def job_body(plan: Plan, settings: SlurmSettings, job_dir: str | Path, python: str) -> str:
     cluster = plan.cluster
     srun = "srun --overlap -N1 -n1 " + "".join(f"{shlex.quote(a)} " for a in settings.srun_args)
     node_args = f"--num-cpus={max(cluster.devices_per_node, 1)} --num-gpus={cluster.gpus_per_node}"
-    head_ip = (LOOPBACK if cluster.nodes == 1  # one node: every address stays on loopback
-               else f'$({srun}-w "$HEAD" hostname -I | cut -d" " -f1)')
+    head_ip = (
+        LOOPBACK
+        if cluster.nodes == 1  # one node: every address stays on loopback
+        else f'$({srun}-w "$HEAD" hostname -I | cut -d" " -f1)'
+    )
     setup = "".join(f"{line}\n" for line in settings.setup)
     workers = worker_start(cluster.nodes, srun, node_args) if cluster.nodes > 1 else ""
     return f"""set -uo pipefail
@@ -125,7 +143,7 @@ exit "$RC"
 
 def worker_start(nodes: int, srun: str, node_args: str) -> str:
     """Ray on nodes 1..N-1, each offering its own miles_node_K and picking its agent port on that node."""
-    resources = '{\\"' + NODE_RESOURCE_PREFIX + '$K\\": ' + str(NODE_RESOURCE_UNITS) + '}'
+    resources = '{\\"' + NODE_RESOURCE_PREFIX + '$K\\": ' + str(NODE_RESOURCE_UNITS) + "}"
     return f"""export PY RAY RAY_ADDRESS JOB_DIR
 for ((K = 1; K < {nodes}; K++)); do
   RES="{resources}" {srun}-w "${{NODES[$K]:-missing}}" bash -c \\

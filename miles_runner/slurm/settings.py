@@ -44,11 +44,19 @@ def settings_from(mapping: Any) -> SlurmSettings:
     values = {k: v for k, v in dict(mapping).items() if k != "_target_"}
     unknown = sorted(set(values) - set(SETTING_NAMES))
     if unknown:
-        raise PlanError([Problem("slurm-setting-unknown", [(f"hydra.launcher.{k}", "command line") for k in unknown],
-                                 f"hydra/launcher=miles_slurm has no such setting; its settings are "
-                                 f"{', '.join(SETTING_NAMES)}.", "drop it, or use one of those")])
-    values = {k: list(v) if isinstance(v, list | tuple) or type(v).__name__ == "ListConfig" else v
-              for k, v in values.items()}
+        raise PlanError(
+            [
+                Problem(
+                    "slurm-setting-unknown",
+                    [(f"hydra.launcher.{k}", "command line") for k in unknown],
+                    f"hydra/launcher=miles_slurm has no such setting; its settings are {', '.join(SETTING_NAMES)}.",
+                    "drop it, or use one of those",
+                )
+            ]
+        )
+    values = {
+        k: list(v) if isinstance(v, list | tuple) or type(v).__name__ == "ListConfig" else v for k, v in values.items()
+    }
     return SlurmSettings(**values)
 
 

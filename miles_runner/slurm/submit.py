@@ -50,11 +50,17 @@ def array_options(jobs: list[PlannedJob], settings: SlurmSettings) -> list[str]:
     """The shared #SBATCH options; a job array has one shape, so the sweep's plans must agree on it."""
     shapes = {tuple(header_options(job.plan, settings)): job for job in jobs}
     if len(shapes) > 1:
-        raise PlanError([Problem(
-            "slurm-sweep-shapes-differ", [(" ".join(job.overrides), "sweep point") for job in shapes.values()],
-            "A sweep goes in as one Slurm job array, whose jobs all get the same allocation; these points' plans "
-            "ask for different ones (cluster.nodes or cluster.gpus_per_node).",
-            "sweep over one cluster shape per --multirun")])
+        raise PlanError(
+            [
+                Problem(
+                    "slurm-sweep-shapes-differ",
+                    [(" ".join(job.overrides), "sweep point") for job in shapes.values()],
+                    "A sweep goes in as one Slurm job array, whose jobs all get the same allocation; "
+                    "these points' plans ask for different ones (cluster.nodes or cluster.gpus_per_node).",
+                    "sweep over one cluster shape per --multirun",
+                )
+            ]
+        )
     return list(next(iter(shapes)))
 
 
@@ -63,15 +69,27 @@ def submit_array(sweep_dir: Path, jobs: list[PlannedJob], settings: SlurmSetting
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_job_scripts(jobs, settings, python)
     script = sweep_dir / ARRAY_SCRIPT
-    script.write_text(render_array_script(array_options(jobs, settings), job_name(jobs[0].plan, settings),
-                                          sweep_dir.resolve(), [job.job_dir.resolve() for job in jobs]))
+    script.write_text(
+        render_array_script(
+            array_options(jobs, settings),
+            job_name(jobs[0].plan, settings),
+            sweep_dir.resolve(),
+            [job.job_dir.resolve() for job in jobs],
+        )
+    )
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if submitted.returncode != 0:
         raise RuntimeError(f"sbatch refused {script}: {submitted.stderr.strip() or submitted.stdout.strip()}")
     array_id = submitted.stdout.strip().split(";")[0]  # "ID" or "ID;CLUSTER"
-    manifest = Manifest(array_id, time.time(), str(script.resolve()), [
-        ManifestJob(i, f"{array_id}_{i}", str(job.job_dir.resolve()), list(job.overrides))
-        for i, job in enumerate(jobs)])
+    manifest = Manifest(
+        array_id,
+        time.time(),
+        str(script.resolve()),
+        [
+            ManifestJob(i, f"{array_id}_{i}", str(job.job_dir.resolve()), list(job.overrides))
+            for i, job in enumerate(jobs)
+        ],
+    )
     write_manifest(sweep_dir, manifest)
     return manifest
 
@@ -88,5 +106,6 @@ def read_manifest(sweep_dir: Path) -> Manifest:
     if not path.exists():
         raise FileNotFoundError(f"{sweep_dir} holds no {MANIFEST}: it is not a sweep submitted to Slurm")
     data = json.loads(path.read_text())
-    return Manifest(data["array_job_id"], data["submitted_at"], data["script"],
-                    [ManifestJob(**job) for job in data["jobs"]])
+    return Manifest(
+        data["array_job_id"], data["submitted_at"], data["script"], [ManifestJob(**job) for job in data["jobs"]]
+    )

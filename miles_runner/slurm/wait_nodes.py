@@ -44,11 +44,16 @@ def wait_for_nodes(expected: int, timeout_s: float) -> set[int]:
 
 
 def missing_report(expected: int, joined: set[int], hosts: list[str], job_dir: Path, timeout_s: float) -> str:
-    lines = [f"miles: {expected - len(joined)} of the job's {expected} Ray nodes did not join within {timeout_s:g} s "
-             f"(hydra.launcher.nodes_timeout_s):"]
+    lines = [
+        f"miles: {expected - len(joined)} of the job's {expected} Ray nodes did not join within {timeout_s:g} s "
+        f"(hydra.launcher.nodes_timeout_s):"
+    ]
     for k in sorted(set(range(expected)) - joined):
-        where = (f"on host {hosts[k]}; its Ray log: {job_dir / 'logs' / f'ray-node-{k}.log'}" if k < len(hosts)
-                 else f"not in the allocation ({len(hosts)} node(s): {' '.join(hosts)})")
+        where = (
+            f"on host {hosts[k]}; its Ray log: {job_dir / 'logs' / f'ray-node-{k}.log'}"
+            if k < len(hosts)
+            else f"not in the allocation ({len(hosts)} node(s): {' '.join(hosts)})"
+        )
         lines.append(f"  missing: plan node {k} ({node_resource(k)}) {where}")
     lines.append(f"  joined: {', '.join(f'plan node {k}' for k in sorted(joined)) or 'none'}")
     return "\n".join(lines)

@@ -70,8 +70,9 @@ def write_result(run_dir: Path, status: str, exit_code: int, wall_s: float) -> J
     records = read_records(run_dir)
     per_adapter = adapter_rewards(records)
     steps = int(records[-1].get("step", -1)) + 1 if records else 0
-    result = JobResult(status, exit_code, round(wall_s, 3), steps, final_reward(records, per_adapter), time.time(),
-                       per_adapter)
+    result = JobResult(
+        status, exit_code, round(wall_s, 3), steps, final_reward(records, per_adapter), time.time(), per_adapter
+    )
     path = Path(run_dir) / RESULT_FILE
     staging = path.with_suffix(".json.tmp")
     staging.write_text(json.dumps(asdict(result), indent=1))

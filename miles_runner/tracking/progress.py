@@ -50,6 +50,10 @@ class Progress:
 
         table = Table.grid(padding=(0, 1))
         elapsed = time.monotonic() - self._start
-        table.add_row(ProgressBar(total=self.total, completed=self.step, width=40),
-                      f"step {self.step}/{self.total}", f"[{self.phase}]", f"{elapsed:.0f}s")
+        table.add_row(
+            ProgressBar(total=self.total, completed=self.step, width=40),
+            f"step {self.step}/{self.total}",
+            f"[{self.phase}]",
+            f"{elapsed:.0f}s",
+        )
         return table

@@ -37,8 +37,11 @@ class Tracker:
             self.metrics.append(record)
         self.records.append(record)
         self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
-        shown = {k: record[k] for k in ("reward/mean", "train/loss", "train/kl", "rollout/tokens_per_s")
-                 if record.get(k) is not None}
+        shown = {
+            k: record[k]
+            for k in ("reward/mean", "train/loss", "train/kl", "rollout/tokens_per_s")
+            if record.get(k) is not None
+        }
         self.progress.step_done(step, shown)
 
     def close(self) -> None:

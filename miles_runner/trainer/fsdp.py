@@ -127,8 +127,12 @@ class FSDPTrainer:
         """Positions in `rows` per micro-batch, as many on every rank (FSDP's collectives pair up forward by
         forward)."""
         every_row = row_lengths(batch)
-        return agreed_micro_batches([every_row[r] for r in rows], size=self.settings.micro_batch_size,
-                                    max_tokens=self.settings.max_tokens_per_micro_batch, world_size=self.world_size)
+        return agreed_micro_batches(
+            [every_row[r] for r in rows],
+            size=self.settings.micro_batch_size,
+            max_tokens=self.settings.max_tokens_per_micro_batch,
+            world_size=self.world_size,
+        )
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
@@ -170,7 +174,11 @@ class FSDPTrainer:
         old = self._old_log_probs(full, single_step=len(step_chunks) == 1)
         ref = self._log_probs(full, adapter=False) if s.algorithm.kl_coef > 0 else None
         advantages = self.estimator.advantages(
-            rewards, local_all, full.loss_mask, full.attention_mask[:, 1:], self._reward_kl(full, old, ref),
+            rewards,
+            local_all,
+            full.loss_mask,
+            full.attention_mask[:, 1:],
+            self._reward_kl(full, old, ref),
             dist.all_reduce if self.world_size > 1 else None,
         )
         for chunk in step_chunks:
@@ -195,14 +203,30 @@ class FSDPTrainer:
             return None
         return k3_kl(self._log_probs(full) if old is None else old, ref)
 
-    def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
-                        old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
+    def _optimizer_step(
+        self,
+        full: TokenBatch,
+        rows: list[int],
+        advantages: torch.Tensor,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        means: MetricMeans,
+    ) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         accumulate_policy_gradients(
-            self.model, full, rows, advantages, old, ref, self.loss_config, means,
-            temperature=self.settings.temperature, micro_batches=self._micro_batches(full, rows),
-            normalizer=self._normalizer(full, rows), cut=self.settings.max_tokens_per_micro_batch > 0,
-        )  # fmt: skip
+            self.model,
+            full,
+            rows,
+            advantages,
+            old,
+            ref,
+            self.loss_config,
+            means,
+            temperature=self.settings.temperature,
+            micro_batches=self._micro_batches(full, rows),
+            normalizer=self._normalizer(full, rows),
+            cut=self.settings.max_tokens_per_micro_batch > 0,
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.settings.optimizer.clip_grad
         )
@@ -280,4 +304,3 @@ class FSDPTrainer:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
-

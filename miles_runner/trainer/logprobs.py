@@ -47,8 +47,14 @@ class TokenBatch:
 
     def select(self, rows: slice | Tensor) -> TokenBatch:
         routed = None if self.routed_experts is None else self.routed_experts[rows]
-        return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.loss_mask[rows],
-                          self.rollout_log_probs[rows], self.has_rollout_log_probs, routed)
+        return TokenBatch(
+            self.input_ids[rows],
+            self.attention_mask[rows],
+            self.loss_mask[rows],
+            self.rollout_log_probs[rows],
+            self.has_rollout_log_probs,
+            routed,
+        )
 
 
 def _check(sample: TrainingSample) -> None:
@@ -79,8 +85,14 @@ def pack_samples(samples: Sequence[TrainingSample], pad_id: int, routing: Routin
     return TokenBatch(input_ids, attention, loss_mask, rollout, all(s.rollout_log_probs for s in samples), routed)
 
 
-def token_log_probs(model, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-                    replay_stats: ReplayStats | None = None) -> tuple[Tensor, Tensor | None]:
+def token_log_probs(
+    model,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    replay_stats: ReplayStats | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of ``input_ids[:, 1:]`` (and the per-position entropy when asked), ``[B, L-1]``; routed as
     the rollout was when the batch carries routing (``replay_stats`` then counts the replayed tokens)."""
     with replaying(model, batch.routed_experts, replay_stats):

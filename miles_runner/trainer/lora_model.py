@@ -74,8 +74,10 @@ def load_starting_adapter(model, folder: Path) -> None:
     expected = {name.replace(f".{PEFT_ADAPTER}.", ".") for name in trainable_state(model)}
     missing = sorted(expected - set(state))
     if result.unexpected_keys or missing:
-        raise ValueError(f"{folder} does not fit the planned adapter: missing {missing[:3]}, "
-                         f"unexpected {list(result.unexpected_keys)[:3]}")  # fmt: skip
+        raise ValueError(
+            f"{folder} does not fit the planned adapter: missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]}"
+        )
 
 
 def enable_recompute(model) -> None:

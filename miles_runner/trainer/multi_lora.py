@@ -56,7 +56,11 @@ class MultiAdapterSettings:
     @classmethod
     def from_plan(cls, plan: Plan) -> MultiAdapterSettings:
         return cls(
-            plan.algorithm, plan.optimizer, plan.trainer.parallel.micro_batch_size, plan.rollout.temperature, plan.seed,
+            plan.algorithm,
+            plan.optimizer,
+            plan.trainer.parallel.micro_batch_size,
+            plan.rollout.temperature,
+            plan.seed,
             routing_replay=plan.capabilities.use_routing_replay,
             recompute=plan.trainer.parallel.recompute,
             max_tokens_per_micro_batch=plan.trainer.max_tokens_per_micro_batch,
@@ -168,11 +172,19 @@ class MultiLoRATrainer:
             budget = s.max_tokens_per_micro_batch
             # Normalizer 1: each sample adds its own loss; the step divides by the adapter's global batch size.
             accumulate_policy_gradients(
-                self.model, full, list(range(len(local))), advantages, old, ref, self.loss_config, means,
+                self.model,
+                full,
+                list(range(len(local))),
+                advantages,
+                old,
+                ref,
+                self.loss_config,
+                means,
                 temperature=s.temperature,
                 micro_batches=plan_micro_batches(row_lengths(full), size=s.micro_batch_size, max_tokens=budget),
-                normalizer=1.0, cut=budget > 0,
-            )  # fmt: skip
+                normalizer=1.0,
+                cut=budget > 0,
+            )
         elif all_reduce is not None and estimator.whitens:
             masked_whiten(torch.zeros(1, 1), torch.zeros(1, 1), all_reduce)  # the ranks with rows whiten together
         entry.pending_samples += len(samples)

@@ -35,8 +35,15 @@ def loss_config(algorithm: AlgorithmConfig, *, per_token_loss: bool = False) -> 
     """The loss settings of the plan's algorithm; its advantage estimator decides whether the KL is a loss term
     and whether the ratio is per sample (GSPO)."""
     a = algorithm
-    return PolicyLossConfig(a.eps_clip, a.eps_clip_high, loss_kl_coef(a), a.entropy_coef, a.use_tis,
-                            per_token_loss=per_token_loss, sequence_ratio=sequence_ratio(a))
+    return PolicyLossConfig(
+        a.eps_clip,
+        a.eps_clip_high,
+        loss_kl_coef(a),
+        a.entropy_coef,
+        a.use_tis,
+        per_token_loss=per_token_loss,
+        sequence_ratio=sequence_ratio(a),
+    )
 
 
 def accumulate_policy_gradients(

@@ -45,11 +45,19 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 600.0
 EXIT = "exit"
 # Calls that change trainer state or hold collectives: every rank must make them, in the same order.
-REPLAYED = frozenset({
-    "train", "compute_log_probs", "adapter_state", "save_adapter", "state_dict", "load_state_dict",
-    "load_adapter", "clear_adapter", "probe_log_probs",
-})  # fmt: skip
-
+REPLAYED = frozenset(
+    {
+        "train",
+        "compute_log_probs",
+        "adapter_state",
+        "save_adapter",
+        "state_dict",
+        "load_state_dict",
+        "load_adapter",
+        "clear_adapter",
+        "probe_log_probs",
+    }
+)
 
 
 def build_trainer(plan: Plan) -> Any:
@@ -109,9 +117,12 @@ def join_group(plan: Plan, rank: int, master_address: str, master_port: int) -> 
     (gloo)."""
     backend = "gloo" if plan.cluster.cpu_only else "nccl"
     dist.init_process_group(
-        backend, init_method=f"tcp://{master_address}:{master_port}", rank=rank,
-        world_size=plan.trainer.parallel.world_size, timeout=timedelta(seconds=TIMEOUT_S),
-    )  # fmt: skip
+        backend,
+        init_method=f"tcp://{master_address}:{master_port}",
+        rank=rank,
+        world_size=plan.trainer.parallel.world_size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
     return dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
 
 
@@ -200,8 +211,10 @@ def start_follower(
     if node == 0:
         return launch_process(name, launch, Path(run_dir) / "logs", startup_timeout_s=0).start()
     if remote is None:
-        raise RuntimeError(f"trainer rank {rank} is placed on node {node}: only the Ray executor's node agents "
-                           "start ranks on other nodes")  # fmt: skip
+        raise RuntimeError(
+            f"trainer rank {rank} is placed on node {node}: only the Ray executor's node agents "
+            "start ranks on other nodes"
+        )
     return remote.start_rank(name, node, launch)
 
 

@@ -94,9 +94,14 @@ class BroadcastSync(AdapterSync):
         world_size = len(self.clients) + 1
         join_here = asyncio.to_thread(
             init_weight_update_group,
-            backend=self.backend, master_address=self.master_address, master_port=port, rank=0,
-            world_size=world_size, group_name=self.group_name, timeout_s=self.timeout_s,
-        )  # fmt: skip
+            backend=self.backend,
+            master_address=self.master_address,
+            master_port=port,
+            rank=0,
+            world_size=world_size,
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+        )
         join_there = [
             client.init_weights_update_group(
                 self.master_address, port, rank, world_size, group_name=self.group_name, backend=self.backend

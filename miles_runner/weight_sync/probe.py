@@ -20,8 +20,10 @@ from miles_runner.sglang_client.client import EngineClient
 from miles_runner.weight_sync.verify import SyncVerificationError
 
 # Real text, the same for every push and every run: a few dozen tokens with any tokenizer.
-PROBE_TEXT = ("User: What is 17 plus 25? Think step by step, then give the answer.\n"
-              "Assistant: 17 plus 25 is 42, because 17 + 20 = 37 and 37 + 5 = 42. The answer is 42.")  # fmt: skip
+PROBE_TEXT = (
+    "User: What is 17 plus 25? Think step by step, then give the answer.\n"
+    "Assistant: 17 plus 25 is 42, because 17 + 20 = 37 and 37 + 5 = 42. The answer is 42."
+)
 
 
 def probe_token_ids(model_path: str | Path) -> list[int]:
@@ -33,8 +35,13 @@ def probe_token_ids(model_path: str | Path) -> list[int]:
 
 def probe_body(token_ids: Sequence[int], lora_name: str) -> dict:
     """A native /generate that scores every token of the probe under `lora_name` and generates one token."""
-    return {"input_ids": list(token_ids), "lora_path": lora_name, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}  # fmt: skip
+    return {
+        "input_ids": list(token_ids),
+        "lora_path": lora_name,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+    }
 
 
 async def engine_log_probs(client: EngineClient, token_ids: Sequence[int], lora_name: str) -> list[float]:
@@ -46,8 +53,10 @@ async def engine_log_probs(client: EngineClient, token_ids: Sequence[int], lora_
 
 def mean_gap(engine: Sequence[float], trainer: Sequence[float]) -> float:
     if len(engine) != len(trainer) or not trainer:
-        raise SyncVerificationError(f"the probe scored {len(engine)} tokens on the engine and {len(trainer)} on "
-                                    "the trainer; they must score the same tokens")  # fmt: skip
+        raise SyncVerificationError(
+            f"the probe scored {len(engine)} tokens on the engine and {len(trainer)} on "
+            "the trainer; they must score the same tokens"
+        )
     return sum(abs(a - b) for a, b in zip(engine, trainer, strict=True)) / len(trainer)
 
 
@@ -69,8 +78,11 @@ class PushProbe:
         started = time.perf_counter()
         scored = await asyncio.gather(*(engine_log_probs(c, self.token_ids, lora_name) for c in self.clients))
         gaps = [mean_gap(engine, trainer_log_probs) for engine in scored]
-        wrong = [f"engine {c.base_url} differs by {g:.4g}" for c, g in zip(self.clients, gaps, strict=True)
-                 if not g <= self.max_gap]  # fmt: skip
+        wrong = [
+            f"engine {c.base_url} differs by {g:.4g}"
+            for c, g in zip(self.clients, gaps, strict=True)
+            if not g <= self.max_gap
+        ]
         if wrong:
             raise SyncVerificationError(
                 f"{what}: the probe of adapter {lora_name!r} ({len(trainer_log_probs)} tokens, mean |trainer - "

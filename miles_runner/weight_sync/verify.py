@@ -27,5 +27,6 @@ async def check_engine_versions(clients: Sequence[EngineClient], version: int) -
     versions = await asyncio.gather(*(client.weight_version() for client in clients))
     wrong = [f"engine {c.base_url} reports {v!r}" for c, v in zip(clients, versions, strict=True) if v != str(version)]
     if wrong:
-        raise SyncVerificationError(f"the push of weight version {version} did not reach every engine: "
-                                    + "; ".join(wrong))  # fmt: skip
+        raise SyncVerificationError(
+            f"the push of weight version {version} did not reach every engine: " + "; ".join(wrong)
+        )

@@ -25,6 +25,7 @@ Modules:
 # order run_contract runs and reports them in: sorting these imports would reorder every summary.
 # isort: off
 from miles_testkit.contract import info, generate, lora, weights, abort_pause, chat, errors  # noqa: F401
+
 # isort: on
 from miles_testkit.contract.base import (
     CONTRACT_CHECKS,

@@ -28,12 +28,19 @@ def build_contract_adapter(model_dir: Path, out_dir: Path, *, rank: int = 8, see
 def contract_engine_argv(module: str, model_dir: Path, port: int, adapter_path: Path) -> list[str]:
     """The launch command the contract expects: `module` is sglang.launch_server or the embedded engine."""
     return [
-        sys.executable, "-m", module,
-        "--model-path", str(model_dir),
-        "--host", LOOPBACK,
-        "--port", str(port),
+        sys.executable,
+        "-m",
+        module,
+        "--model-path",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
         "--enable-lora",
-        "--lora-paths", f"{CONTRACT_ADAPTER}={adapter_path}",
-        "--max-loras-per-batch", "4",
+        "--lora-paths",
+        f"{CONTRACT_ADAPTER}={adapter_path}",
+        "--max-loras-per-batch",
+        "4",
         "--enable-return-routed-experts",
-    ]  # fmt: skip
+    ]

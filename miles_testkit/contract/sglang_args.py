@@ -71,7 +71,11 @@ def _has_help_string(annotation: ast.expr) -> bool:
 
 def _literal_flags(tree: ast.Module) -> set[str]:
     return {
-        node.value for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--")
-        and " " not in node.value and len(node.value) > 2
-    }  # fmt: skip
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.startswith("--")
+        and " " not in node.value
+        and len(node.value) > 2
+    }

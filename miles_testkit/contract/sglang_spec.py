@@ -41,12 +41,22 @@ IGNORED, REFUSED = "ignored", "refused"  # what SGLang does with a key its defin
 ANY = None  # an annotation that admits any JSON value
 ROUTE_DECORATORS = {"post": ("POST",), "put": ("PUT",), "get": ("GET",), "delete": ("DELETE",)}
 SCALAR_KINDS = {
-    "str": {"str"}, "int": {"int"}, "float": {"int", "float"}, "bool": {"bool"}, "None": {"null"},
+    "str": {"str"},
+    "int": {"int"},
+    "float": {"int", "float"},
+    "bool": {"bool"},
+    "None": {"null"},
     # Base64Bytes: an HTTP body carries bytes as base64 text
     "bytes": {"str"},
-    "dict": {"object"}, "Dict": {"object"}, "list": {"array"}, "List": {"array"}, "tuple": {"array"},
-    "Tuple": {"array"}, "set": {"array"}, "Set": {"array"},
-}  # fmt: skip
+    "dict": {"object"},
+    "Dict": {"object"},
+    "list": {"array"},
+    "List": {"array"},
+    "tuple": {"array"},
+    "Tuple": {"array"},
+    "set": {"array"},
+    "Set": {"array"},
+}
 WRAPPERS = {"Optional", "Union", "Annotated", "Literal"}
 
 
@@ -112,8 +122,10 @@ def load_spec(wheel: Path) -> SGLangSpec:
 
 
 def _routes(source: dict[str, str]) -> dict[str, RouteDef]:
-    bodies = {**_module_requests(source[IO_STRUCT], IO_STRUCT, _msgspec_policy(source[MSGSPEC_UTILS])),
-              **_module_requests(source[PROTOCOL], PROTOCOL, IGNORED)}  # fmt: skip
+    bodies = {
+        **_module_requests(source[IO_STRUCT], IO_STRUCT, _msgspec_policy(source[MSGSPEC_UTILS])),
+        **_module_requests(source[PROTOCOL], PROTOCOL, IGNORED),
+    }
     gate, gate_structs = _generate_gate(source)
     routes: dict[str, RouteDef] = {}
     for fn in ast.walk(ast.parse(source[HTTP_SERVER])):
@@ -218,8 +230,9 @@ def _lineage(cls: ast.ClassDef, classes: Classes) -> Iterator[ast.ClassDef]:
 
 def _model_config_policy(node: ast.stmt) -> str | None:
     """`model_config = ConfigDict(extra=...)` of a pydantic model."""
-    if not (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "model_config"
-                                                 for t in node.targets)):  # fmt: skip
+    if not (
+        isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "model_config" for t in node.targets)
+    ):
         return None
     for keyword in getattr(node.value, "keywords", []):
         if keyword.arg == "extra" and isinstance(keyword.value, ast.Constant):
@@ -351,9 +364,14 @@ def _generate_gate(source: dict[str, str]) -> tuple[RequestDef | None, dict[str,
     """The api_types struct `generate_contract_error` decodes a /generate body with, and its nested structs."""
     if API_CONTRACT not in source or API_TYPES not in source:
         return None, {}
-    decoded = [n.func.value.id for n in ast.walk(ast.parse(source[API_CONTRACT]))
-               if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "from_json_value"
-               and isinstance(n.func.value, ast.Name)]  # fmt: skip
+    decoded = [
+        n.func.value.id
+        for n in ast.walk(ast.parse(source[API_CONTRACT]))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "from_json_value"
+        and isinstance(n.func.value, ast.Name)
+    ]
     structs = _api_structs(source[API_TYPES])
     return (structs.get(decoded[0]) if decoded else None), structs
 

@@ -47,8 +47,9 @@ def check_request(spec: SGLangSpec, sent: SentRequest, build: str = STOCK) -> li
     if route is None:
         return _check_unrouted(spec, path, sent.body, build)
     if sent.method not in route.methods:
-        return [WireProblem(path, "", f"SGLang {spec.version} serves {path} for {route.methods}, not {sent.method}",
-                            True)]  # fmt: skip
+        return [
+            WireProblem(path, "", f"SGLang {spec.version} serves {path} for {route.methods}, not {sent.method}", True)
+        ]
     return _check_routed(route, sent.body, build)
 
 

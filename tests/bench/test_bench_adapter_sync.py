@@ -16,8 +16,15 @@ HEAD_DIM = QWEN["hidden_size"] // QWEN["num_attention_heads"]
 def lora_bytes(rank: int) -> int:
     """float32 LoRA on every linear layer: A is (r, in), B is (out, r) for each of the 7 projections per layer."""
     hidden, inter, kv = QWEN["hidden_size"], QWEN["intermediate_size"], QWEN["num_key_value_heads"] * HEAD_DIM
-    in_out = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inter), (hidden, inter),
-              (inter, hidden)]  # fmt: skip
+    in_out = [
+        (hidden, hidden),
+        (hidden, kv),
+        (hidden, kv),
+        (hidden, hidden),
+        (hidden, inter),
+        (hidden, inter),
+        (inter, hidden),
+    ]
     return 4 * rank * bench.NUM_LAYERS * sum(i + o for i, o in in_out)
 
 
@@ -30,8 +37,13 @@ def test_the_model_has_the_qwen_shape(model_dir):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
-            config.num_hidden_layers) == (896, 4864, 14, 2, bench.NUM_LAYERS)  # fmt: skip
+    assert (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.num_hidden_layers,
+    ) == (896, 4864, 14, 2, bench.NUM_LAYERS)
 
 
 @pytest.mark.parametrize("rank", bench.RANKS)
@@ -47,16 +59,29 @@ def test_reported_bytes_are_the_adapters_tensor_bytes(model_dir, rank):
 def path_seconds(fixed: float, rate: float, nbytes: int, fixed_min: float) -> dict[str, float]:
     """Median seconds of `fixed` + bytes / rate, and fastest runs with their own fixed part."""
     push, load = nbytes / rate, nbytes / (2 * rate)
-    return {"push_seconds": fixed + push, "load_seconds": fixed / 2 + load,
-            "push_min_seconds": fixed_min + push, "load_min_seconds": fixed_min + load}  # fmt: skip
+    return {
+        "push_seconds": fixed + push,
+        "load_seconds": fixed / 2 + load,
+        "push_min_seconds": fixed_min + push,
+        "load_min_seconds": fixed_min + load,
+    }
 
 
 def measured_rows() -> list[dict]:
     """Copies at 4 GB/s (fastest runs: 1 us of fixed cost, then 5 GB/s); paths of known fixed costs and rates."""
-    return [{"rank": r, "bytes": b, "copy_seconds": b / 4e9, "copy_min_seconds": 1e-6 + b / 5e9,
-             "tensor": path_seconds(0.01, 1e9, b, 0.005), "tensor_copied": path_seconds(0.01, 5e8, b, 0.005),
-             "tensor_inline": path_seconds(0.03, 1e8, b, 0.02), "broadcast": path_seconds(0.02, 4e9, b, 0.001)}
-            for r, b in ((8, 1_000_000), (16, 2_000_000), (64, 8_000_000))]  # fmt: skip
+    return [
+        {
+            "rank": r,
+            "bytes": b,
+            "copy_seconds": b / 4e9,
+            "copy_min_seconds": 1e-6 + b / 5e9,
+            "tensor": path_seconds(0.01, 1e9, b, 0.005),
+            "tensor_copied": path_seconds(0.01, 5e8, b, 0.005),
+            "tensor_inline": path_seconds(0.03, 1e8, b, 0.02),
+            "broadcast": path_seconds(0.02, 4e9, b, 0.001),
+        }
+        for r, b in ((8, 1_000_000), (16, 2_000_000), (64, 8_000_000))
+    ]
 
 
 def test_bandwidths_follow_from_the_seconds():

@@ -11,32 +11,73 @@ from bench.peers.records import SideRun, StepRecord, step_walls
 from bench.peers.work import Work
 
 CONTEXT = {
-    "machine": {"cpu": "test CPU", "cores": 2, "platform": "linux", "python": "3.11", "load_before": [1, 1, 1],
-                "load_after": [2, 2, 2]},
-    "started": 0.0, "work": {**Work(steps=4).__dict__, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-    "peers": {"single_turn": {
-        "row": "single_turn", "model_path": "/models/tiny", "task": "count", "reward": "exact_match", "max_turns": 1,
-        "prompts": 8, "samples": 8, "max_new_tokens": 8, "lora_rank": 8, "lora_alpha": 16.0,
-        "targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "lr": 0.005, "adam_betas": [0.9, 0.98],
-        "weight_decay": 0.0, "clip_grad": 1.0, "eps_clip": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0, "steps": 4,
-        "seed": 0, "temperature": 1.0, "top_p": 1.0, "std_normalized": True, "per_token_loss": False}},
+    "machine": {
+        "cpu": "test CPU",
+        "cores": 2,
+        "platform": "linux",
+        "python": "3.11",
+        "load_before": [1, 1, 1],
+        "load_after": [2, 2, 2],
+    },
+    "started": 0.0,
+    "work": {**Work(steps=4).__dict__, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "peers": {
+        "single_turn": {
+            "row": "single_turn",
+            "model_path": "/models/tiny",
+            "task": "count",
+            "reward": "exact_match",
+            "max_turns": 1,
+            "prompts": 8,
+            "samples": 8,
+            "max_new_tokens": 8,
+            "lora_rank": 8,
+            "lora_alpha": 16.0,
+            "targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "lr": 0.005,
+            "adam_betas": [0.9, 0.98],
+            "weight_decay": 0.0,
+            "clip_grad": 1.0,
+            "eps_clip": 0.2,
+            "eps_clip_high": 0.28,
+            "kl_coef": 0.0,
+            "steps": 4,
+            "seed": 0,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "std_normalized": True,
+            "per_token_loss": False,
+        }
+    },
     "versions": {"main": {"miles-runner": "0.1"}, "peers": {"trl": "1.16.0"}},
-}  # fmt: skip
+}
 
 
 def side(name: str, walls: list[float], rewards: list[float], process_s: float) -> SideRun:
     breakdown = {"rollout_s": 0.5, "train_s": 0.25, "sync_s": 0.125} if name == "miles" else {}
-    steps = [StepRecord(i, wall, reward, **breakdown) for i, (wall, reward) in
-             enumerate(zip(step_walls(walls), rewards, strict=True))]  # fmt: skip
+    steps = [
+        StepRecord(i, wall, reward, **breakdown)
+        for i, (wall, reward) in enumerate(zip(step_walls(walls), rewards, strict=True))
+    ]
     return SideRun(name, "single_turn", process_s, steps, command=[name, "--work"])
 
 
 def runs() -> list:
     # Step ends: TRL 1 s apart except a slow last step; miles 2 s apart after a 9 s first step (left out).
-    return [{"single_turn": {"trl": side("trl", [5, 6, 7, 10], [0.1, 0.2, 0.3, 0.4], 10.0),
-                             "miles": side("miles", [9, 11, 13, 15], [0.1, 0.3, 0.5, 0.5], 40.0)}},
-            {"single_turn": {"trl": side("trl", [5, 6, 7, 8], [0.1, 0.2, 0.2, 0.2], 12.0),
-                             "miles": side("miles", [9, 12, 15, 18], [0.2, 0.2, 0.2, 0.2], 36.0)}}]  # fmt: skip
+    return [
+        {
+            "single_turn": {
+                "trl": side("trl", [5, 6, 7, 10], [0.1, 0.2, 0.3, 0.4], 10.0),
+                "miles": side("miles", [9, 11, 13, 15], [0.1, 0.3, 0.5, 0.5], 40.0),
+            }
+        },
+        {
+            "single_turn": {
+                "trl": side("trl", [5, 6, 7, 8], [0.1, 0.2, 0.2, 0.2], 12.0),
+                "miles": side("miles", [9, 12, 15, 18], [0.2, 0.2, 0.2, 0.2], 36.0),
+            }
+        },
+    ]
 
 
 def test_step_times_leave_out_the_first_step_and_ratios_are_per_run():

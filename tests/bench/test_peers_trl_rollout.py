@@ -29,11 +29,15 @@ def test_a_wrong_reply_gets_the_feedback_turn_the_chat_template_renders(tokenize
     reply = tokenizer.encode(wrong, add_special_tokens=False) + ([im_end] if closed else [])
     play(episode, reply, task, tokenizer, im_end)
     feedback = task.feedback(episode.prompt, [wrong])
-    transcript = [*episode.prompt.messages, {"role": "assistant", "content": wrong},
-                  {"role": "user", "content": feedback}]  # fmt: skip
+    transcript = [
+        *episode.prompt.messages,
+        {"role": "assistant", "content": wrong},
+        {"role": "user", "content": feedback},
+    ]
     assert not episode.done and episode.replies == [wrong]
     assert tokenizer.decode(episode.context()) == tokenizer.apply_chat_template(
-        transcript, add_generation_prompt=True, tokenize=False)  # fmt: skip
+        transcript, add_generation_prompt=True, tokenize=False
+    )
     assert episode.mask == [1] * len(reply) + [0] * (len(episode.completion) - len(reply))
 
 

@@ -42,16 +42,21 @@ def test_peer_work_is_the_plans_work_and_survives_json():
     plan = compile_plan(compose(miles_overrides(WORK, AGENTIC)))
     peer = peer_work(plan, AGENTIC)
     assert PeerWork.from_json(peer.to_json()) == peer
-    assert (peer.model_path, peer.task, peer.reward, peer.max_turns) == (plan.model_path, "count_retry",
-                                                                        "hit_within_turns", 2)  # fmt: skip
+    assert (peer.model_path, peer.task, peer.reward, peer.max_turns) == (
+        plan.model_path,
+        "count_retry",
+        "hit_within_turns",
+        2,
+    )
     assert (peer.prompts, peer.samples, peer.max_new_tokens, peer.steps, peer.seed, peer.lr) == (8, 8, 8, 4, 3, 0.004)
     assert peer.adam_betas == (plan.optimizer.adam_beta1, plan.optimizer.adam_beta2)
     assert (peer.std_normalized, peer.per_token_loss, peer.kl_coef) == (True, False, 0.0)
 
 
 def test_peer_work_refuses_what_grpo_trainer_cannot_run():
-    row = dataclasses.replace(SINGLE_TURN, overrides=(*SINGLE_TURN.overrides,
-                                                      "algorithm.advantage_estimator=reinforce_plus_plus"))  # fmt: skip
+    row = dataclasses.replace(
+        SINGLE_TURN, overrides=(*SINGLE_TURN.overrides, "algorithm.advantage_estimator=reinforce_plus_plus")
+    )
     plan = compile_plan(compose(miles_overrides(WORK, row)))
     with pytest.raises(ValueError, match=r"algorithm\.advantage_estimator"):
         peer_work(plan, row)
@@ -63,14 +68,21 @@ def test_the_miles_command_is_the_cli_and_its_plan_is_the_same_work(tmp_path):
     assert f"hydra.run.dir={tmp_path / 'run'}" in command
     overrides = [arg for arg in command[1:] if not arg.startswith("hydra.")]
     plan = compile_plan(compose(overrides))  # ports, logging and checkpoints on top: still accepted, same work
-    assert peer_work(plan, SINGLE_TURN) == peer_work(compile_plan(compose(miles_overrides(WORK, SINGLE_TURN))),
-                                                     SINGLE_TURN)  # fmt: skip
+    assert peer_work(plan, SINGLE_TURN) == peer_work(
+        compile_plan(compose(miles_overrides(WORK, SINGLE_TURN))), SINGLE_TURN
+    )
     assert (plan.logger.progress, plan.logger.wandb_mode, plan.checkpoint.interval) == ("plain", "disabled", 0)
 
 
 def test_a_metrics_record_becomes_a_step_with_its_breakdown():
-    record = {"step": 2, "reward/mean": 0.25, "rollout/seconds": 0.5, "train/seconds": 0.2, "sync/seconds": 0.05,
-              "verify/seconds": 0.03}  # fmt: skip
+    record = {
+        "step": 2,
+        "reward/mean": 0.25,
+        "rollout/seconds": 0.5,
+        "train/seconds": 0.2,
+        "sync/seconds": 0.05,
+        "verify/seconds": 0.03,
+    }
     step = step_record(record, 1.0)
     assert (step.reward, step.rollout_s, step.train_s, step.sync_s) == (0.25, 0.5, 0.2, pytest.approx(0.08))
     assert step.other_s == pytest.approx(0.22)
@@ -79,10 +91,18 @@ def test_a_metrics_record_becomes_a_step_with_its_breakdown():
 def test_trls_config_is_the_same_work():
     peer = peer_work(compile_plan(compose(miles_overrides(WORK, SINGLE_TURN))), SINGLE_TURN)
     settings = grpo_settings(peer)
-    assert (settings["per_device_train_batch_size"], settings["num_generations"], settings["max_completion_length"],
-            settings["max_steps"], settings["seed"]) == (64, 8, 8, 4, 3)  # fmt: skip
-    assert (settings["learning_rate"], settings["lr_scheduler_type"], settings["adam_beta2"]) == (0.004, "constant",
-                                                                                                  0.98)  # fmt: skip
+    assert (
+        settings["per_device_train_batch_size"],
+        settings["num_generations"],
+        settings["max_completion_length"],
+        settings["max_steps"],
+        settings["seed"],
+    ) == (64, 8, 8, 4, 3)
+    assert (settings["learning_rate"], settings["lr_scheduler_type"], settings["adam_beta2"]) == (
+        0.004,
+        "constant",
+        0.98,
+    )
     assert (settings["loss_type"], settings["scale_rewards"], settings["beta"]) == ("grpo", "group", 0.0)
     assert (settings["epsilon"], settings["epsilon_high"], settings["shuffle_dataset"]) == (0.2, 0.28, False)
 

@@ -38,7 +38,8 @@ def user_dir(tmp_path) -> Path:
     (folder / "recipe" / "my_recipe.yaml").write_text(USER_RECIPE)
     (folder / "recipe" / "tiny_lora_agentic.yaml").write_text("# @package _global_\n# My copy.\nrun: {name: x}\n")
     (folder / "model" / "my_moe.yaml").write_text(
-        (RECIPES_DIR.parent / "model" / "tiny_moe.yaml").read_text().replace("tiny-moe", "my-moe"))
+        (RECIPES_DIR.parent / "model" / "tiny_moe.yaml").read_text().replace("tiny-moe", "my-moe")
+    )
     return folder
 
 
@@ -114,9 +115,21 @@ def test_config_dir_without_a_folder_exits_2(capsys):
 @pytest.mark.timeout(120)
 def test_multirun_reads_user_recipes_in_every_job(user_dir, tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "miles_runner.cli", "--multirun", "--plan", "+recipe=my_recipe", "session=v1,v2",
-         "--config-dir", str(user_dir), f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "miles_runner.cli",
+            "--multirun",
+            "--plan",
+            "+recipe=my_recipe",
+            "session=v1,v2",
+            "--config-dir",
+            str(user_dir),
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     plans = sorted((tmp_path / "sweep").rglob("plan.yaml"))

@@ -10,8 +10,9 @@ NONE = {"repo": None, "commit": None, "dirty": None}
 
 
 def git(cwd, *args: str) -> str:
-    done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, capture_output=True, text=True, check=True
+    )
     return done.stdout.strip()
 
 
@@ -29,8 +30,11 @@ def test_the_working_directorys_checkout_is_recorded_with_its_dirty_state(tmp_pa
     (tmp_path / "a.txt").write_text("a")
     git(tmp_path, "add", "a.txt")
     git(tmp_path, "commit", "-q", "-m", "a")
-    assert git_state(tmp_path) == {"repo": str(tmp_path.resolve()), "commit": git(tmp_path, "rev-parse", "HEAD"),
-                                   "dirty": False}
+    assert git_state(tmp_path) == {
+        "repo": str(tmp_path.resolve()),
+        "commit": git(tmp_path, "rev-parse", "HEAD"),
+        "dirty": False,
+    }
     (tmp_path / "a.txt").write_text("b")
     assert git_state(tmp_path)["dirty"] is True
 

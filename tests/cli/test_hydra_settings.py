@@ -36,7 +36,8 @@ def test_hydra_run_dir_set_in_a_user_recipe_is_honoured(tmp_path):
     (tmp_path / "conf" / "recipe").mkdir(parents=True)
     folder = tmp_path / "from_recipe"
     (tmp_path / "conf" / "recipe" / "mine.yaml").write_text(
-        f"# @package _global_\ndefaults:\n  - /recipe/tiny_lora_agentic\nhydra:\n  run:\n    dir: {folder}\n")
+        f"# @package _global_\ndefaults:\n  - /recipe/tiny_lora_agentic\nhydra:\n  run:\n    dir: {folder}\n"
+    )
     assert main(["+recipe=mine", "--config-dir", str(tmp_path / "conf"), "--plan"]) == 0
     assert (folder / "plan.yaml").is_file()
 
@@ -61,8 +62,18 @@ def test_run_resume_with_hydra_run_dir_resumes_that_folder(tmp_path, capsys):
 
 
 def test_hydra_run_dir_with_run_output_root_or_run_dir_is_one_folder_too_many(tmp_path, capsys):
-    assert main([RECIPE, f"hydra.run.dir={tmp_path / 'a'}", f"run.output_root={tmp_path / 'b'}",
-                 f"run.dir={tmp_path / 'c'}", "--plan"]) == 2
+    assert (
+        main(
+            [
+                RECIPE,
+                f"hydra.run.dir={tmp_path / 'a'}",
+                f"run.output_root={tmp_path / 'b'}",
+                f"run.dir={tmp_path / 'c'}",
+                "--plan",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert rules(err) == ["run-folder-set-twice", "run-folder-set-twice"]
     assert "run.output_root would have no effect" in err and "fix: drop run.output_root" in err
@@ -70,11 +81,28 @@ def test_hydra_run_dir_with_run_output_root_or_run_dir_is_one_folder_too_many(tm
 
 
 def test_unimplemented_hydra_settings_are_refused_with_every_other_problem(tmp_path, capsys):
-    assert main([RECIPE, "hydra.job.chdir=true", "hydra.verbose=true", f"hydra.sweep.dir={tmp_path}",
-                 "hydra/launcher=basic", "pause_generation_mode=abort", "--plan"]) == 2
+    assert (
+        main(
+            [
+                RECIPE,
+                "hydra.job.chdir=true",
+                "hydra.verbose=true",
+                f"hydra.sweep.dir={tmp_path}",
+                "hydra/launcher=basic",
+                "pause_generation_mode=abort",
+                "--plan",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert rules(err) == ["hydra-chdir-unsupported", "hydra-setting-unsupported", "hydra-setting-needs-multirun",
-                          "hydra-setting-needs-multirun", "session-needs-resumable-pause"]
+    assert rules(err) == [
+        "hydra-chdir-unsupported",
+        "hydra-setting-unsupported",
+        "hydra-setting-needs-multirun",
+        "hydra-setting-needs-multirun",
+        "session-needs-resumable-pause",
+    ]
     assert "hydra.verbose=true  (command line)" in err and "fix: drop hydra.verbose=true" in err
     assert "fix: add --multirun" in err
     assert not list(tmp_path.rglob("plan.yaml"))
@@ -98,8 +126,16 @@ def test_hydra_searchpath_must_be_written_plainly_for_hydra_to_read_it():
 
 
 def test_a_sweep_refuses_hydra_run_dir_and_accepts_its_own_settings():
-    [problem] = hydra_setting_problems(["hydra.run.dir=x", "hydra.sweep.dir=s", "hydra.sweep.subdir=n",
-                                        "hydra/launcher=miles_slurm", "hydra.launcher.partition=gpu"], multirun=True)
+    [problem] = hydra_setting_problems(
+        [
+            "hydra.run.dir=x",
+            "hydra.sweep.dir=s",
+            "hydra.sweep.subdir=n",
+            "hydra/launcher=miles_slurm",
+            "hydra.launcher.partition=gpu",
+        ],
+        multirun=True,
+    )
     assert problem.rule == "hydra-run-dir-in-sweep" and problem.fix == "hydra.sweep.dir=x"
 
 
@@ -111,14 +147,19 @@ def test_a_launcher_setting_the_chosen_launcher_does_not_have_is_refused_with_th
 
 
 def sweep(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "miles_runner.cli", "--multirun", "--plan", RECIPE, *args],
-                          cwd=cwd, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "miles_runner.cli", "--multirun", "--plan", RECIPE, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_sweep_honours_hydra_sweep_dir_and_subdir(tmp_path):
-    done = sweep("session=v1,v2", f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=job${hydra.job.num}",
-                 cwd=tmp_path)
+    done = sweep(
+        "session=v1,v2", f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=job${hydra.job.num}", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(p.parent.name for p in (tmp_path / "sweep").rglob("plan.yaml")) == ["job0", "job1"]
     assert not (tmp_path / "outputs").exists()

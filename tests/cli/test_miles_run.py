@@ -96,8 +96,14 @@ def test_a_set_fault_switch_is_warned_about_on_stderr(monkeypatch, capsys):
 
 
 def test_rejected_experiment_exits_2_with_every_problem_and_no_traceback(tmp_path):
-    done = run_cli("+recipe=qwen3_30b_a3b_r3_session", "pause_generation_mode=abort", "topology=colocated",
-                   "adapters=multi", f"run.output_root={tmp_path}", cwd=tmp_path)
+    done = run_cli(
+        "+recipe=qwen3_30b_a3b_r3_session",
+        "pause_generation_mode=abort",
+        "topology=colocated",
+        "adapters=multi",
+        f"run.output_root={tmp_path}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("miles-run: this experiment cannot run (")
@@ -127,8 +133,14 @@ def test_sweep_points_expand_like_hydra_basic_sweeper():
 
 
 def test_multirun_checks_every_point_before_launching(tmp_path):
-    done = run_cli("--multirun", "--plan", "+recipe=tiny_lora_agentic", "pause_generation_mode=abort,in_place",
-                   f"run.output_root={tmp_path}", cwd=tmp_path)
+    done = run_cli(
+        "--multirun",
+        "--plan",
+        "+recipe=tiny_lora_agentic",
+        "pause_generation_mode=abort,in_place",
+        f"run.output_root={tmp_path}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
     assert "sweep point [+recipe=tiny_lora_agentic pause_generation_mode=abort" in done.stderr
     assert not (tmp_path / "outputs").exists(), "no job was launched"
@@ -145,7 +157,11 @@ def test_multirun_launches_one_job_per_point(tmp_path):
 
 def test_plan_of_a_config_with_a_real_error_prints_no_design(tmp_path, capsys):
     # A refusal for something other than what this release has not built: no design to show.
-    assert main(["+recipe=tiny_lora_agentic", "trainer=megatron", "lora_mode=peft", "--plan",
-                 f"run.output_root={tmp_path}"]) == 2
+    assert (
+        main(
+            ["+recipe=tiny_lora_agentic", "trainer=megatron", "lora_mode=peft", "--plan", f"run.output_root={tmp_path}"]
+        )
+        == 2
+    )
     out, err = capsys.readouterr()
     assert "DESIGN ONLY" not in out and "lora-mode-matches-trainer" in err

@@ -21,15 +21,28 @@ DRIVER_FRAME = "miles_runner/loops/run.py"  # every traceback of a failed run pa
 
 
 def run_args(output_root: Path, base_port: int, *extra: str) -> list[str]:
-    return ["session=off", "algorithm.num_steps=3", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
-            "rollout.max_response_len=4", f"engine.base_port={base_port}", f"run.output_root={output_root}",
-            "logger=none", *extra]  # fmt: skip
+    return [
+        "session=off",
+        "algorithm.num_steps=3",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_response_len=4",
+        f"engine.base_port={base_port}",
+        f"run.output_root={output_root}",
+        "logger=none",
+        *extra,
+    ]
 
 
 def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(runner_command("miles_runner.cli.main", *args), cwd=cwd, text=True,
-                            env={**os.environ, "WANDB_MODE": "offline"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        runner_command("miles_runner.cli.main", *args),
+        cwd=cwd,
+        text=True,
+        env={**os.environ, "WANDB_MODE": "offline"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def run_dir_of(output_root: Path) -> Path:
@@ -77,8 +90,9 @@ def test_an_engine_that_cannot_start_is_named_with_its_log_and_no_traceback(tmp_
 def test_debug_also_prints_the_traceback(tmp_path):
     port = free_port_block(2)
     (tmp_path / "empty-model").mkdir()
-    proc = miles_run(*run_args(tmp_path / "out", port, f"model.path={tmp_path / 'empty-model'}"), "--debug",
-                     cwd=tmp_path)
+    proc = miles_run(
+        *run_args(tmp_path / "out", port, f"model.path={tmp_path / 'empty-model'}"), "--debug", cwd=tmp_path
+    )
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert "component: engine0" in stderr and DRIVER_FRAME in stderr
@@ -101,8 +115,9 @@ def test_an_engine_killed_mid_run_is_named_and_every_process_stops(tmp_path):
 def wait_for_first_step(proc: subprocess.Popen, output_root: Path, engine_port: int) -> int:
     """The pid of the engine on `engine_port`, once the run has recorded a step."""
     deadline = time.monotonic() + 300
-    while (pid := engine_pid(engine_port)) is None or not any(read_records(m.parent)
-                                                               for m in files_named(output_root, "metrics.jsonl")):
+    while (pid := engine_pid(engine_port)) is None or not any(
+        read_records(m.parent) for m in files_named(output_root, "metrics.jsonl")
+    ):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
     return pid

@@ -32,8 +32,16 @@ pytestmark = pytest.mark.integration
 DRIVER_FRAME = "miles_runner/loops/run.py"  # in every traceback of a failed run: it belongs in driver.log
 
 
-def make_job(sweep: Path, folder: str, num: int, argv: list[str], records: list[dict] = (), *,
-             status: str | None = None, started: bool = False) -> Path:
+def make_job(
+    sweep: Path,
+    folder: str,
+    num: int,
+    argv: list[str],
+    records: list[dict] = (),
+    *,
+    status: str | None = None,
+    started: bool = False,
+) -> Path:
     """A job folder as a sweep leaves it: the run record, Hydra's job number, metrics and (once ended) result."""
     run_dir = sweep / folder
     (run_dir / ".hydra").mkdir(parents=True)
@@ -52,10 +60,15 @@ def make_job(sweep: Path, folder: str, num: int, argv: list[str], records: list[
 
 def test_the_summary_lists_every_job_in_order_with_status_reward_and_wall_time(tmp_path):
     common = ["+recipe=tiny_lora_agentic", "algorithm.num_steps=2"]
-    make_job(tmp_path, "10", 10, [*common, "optimizer.lr=0.1"], [{"step": 0, "reward/mean": 0.25}],
-             status=FAILED)
-    make_job(tmp_path, "2", 2, [*common, "optimizer.lr=0.01"],
-             [{"step": 0, "reward/mean": 0.25}, {"step": 1, "reward/mean": 0.75}], status=COMPLETED)
+    make_job(tmp_path, "10", 10, [*common, "optimizer.lr=0.1"], [{"step": 0, "reward/mean": 0.25}], status=FAILED)
+    make_job(
+        tmp_path,
+        "2",
+        2,
+        [*common, "optimizer.lr=0.01"],
+        [{"step": 0, "reward/mean": 0.25}, {"step": 1, "reward/mean": 0.75}],
+        status=COMPLETED,
+    )
     make_job(tmp_path, "3", 3, [*common, "optimizer.lr=0.001"], started=True)
     make_job(tmp_path, "4", 4, [*common, "optimizer.lr=0.0001"])
 
@@ -128,11 +141,24 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
     empty_model.mkdir()
     port = free_port_block(2)
     done = subprocess.run(
-        runner_command("miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=2",
-                       "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
-                       f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none",
-                       f"model.path={empty_model},tiny:tiny-moe:format"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=540)  # fmt: skip
+        runner_command(
+            "miles_runner.cli.main",
+            "--multirun",
+            "session=off",
+            "algorithm.num_steps=2",
+            "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_response_len=4",
+            f"engine.base_port={port}",
+            f"run.output_root={tmp_path / 'out'}",
+            "logger=none",
+            f"model.path={empty_model},tiny:tiny-moe:format",
+        ),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     console = done.stdout + done.stderr
     assert done.returncode == 1, console
     [sweep] = {p.parent.parent for p in (tmp_path / "out" / "multirun").rglob("plan.yaml")}
@@ -155,9 +181,22 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
 
 
 def test_a_plan_only_sweep_prints_no_summary(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "miles_runner.cli.main", "--multirun", "--plan",
-                           "+recipe=tiny_lora_agentic", "session=v1,v2", f"run.output_root={tmp_path / 'out'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "miles_runner.cli.main",
+            "--multirun",
+            "--plan",
+            "+recipe=tiny_lora_agentic",
+            "session=v1,v2",
+            f"run.output_root={tmp_path / 'out'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "sweep summary" not in done.stdout
     assert len(list((tmp_path / "out").rglob("plan.yaml"))) == 2 and not list(tmp_path.rglob(SUMMARY_MD))
@@ -168,11 +207,24 @@ def test_a_plan_only_sweep_prints_no_summary(tmp_path):
 def test_ctrl_c_stops_the_whole_sweep_and_still_summarises_it(tmp_path):
     port = free_port_block(2)
     proc = subprocess.Popen(
-        runner_command("miles_runner.cli.main", "--multirun", "session=off", "algorithm.num_steps=50",
-                       "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=4",
-                       f"engine.base_port={port}", f"run.output_root={tmp_path / 'out'}", "logger=none",
-                       "optimizer.lr=0.1,0.2"),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        runner_command(
+            "miles_runner.cli.main",
+            "--multirun",
+            "session=off",
+            "algorithm.num_steps=50",
+            "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_response_len=4",
+            f"engine.base_port={port}",
+            f"run.output_root={tmp_path / 'out'}",
+            "logger=none",
+            "optimizer.lr=0.1,0.2",
+        ),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not any(read_records(m.parent) for m in files_named(tmp_path / "out", "metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

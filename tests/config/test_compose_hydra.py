@@ -46,13 +46,15 @@ def test_the_store_is_shared_only_inside_the_block_even_when_it_raises():
 
 
 def test_the_job_tree_is_the_whole_config_as_data_without_hydras_node():
-    cfg = OmegaConf.create({
-        "hydra": {"run": {"dir": "out"}},
-        "rollout": {"batch": 8, "steps": "${algorithm.steps}", "note": "${hydra.run.dir}", "todo": "???"},
-        "algorithm": {"steps": 3, "names": ["a", "${rollout.batch}"]},
-        "flag": "${algorithm.steps}",
-        "unset": "???",
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "hydra": {"run": {"dir": "out"}},
+            "rollout": {"batch": 8, "steps": "${algorithm.steps}", "note": "${hydra.run.dir}", "todo": "???"},
+            "algorithm": {"steps": 3, "names": ["a", "${rollout.batch}"]},
+            "flag": "${algorithm.steps}",
+            "unset": "???",
+        }
+    )
     whole = OmegaConf.to_container(cfg, resolve=True)
     del whole["hydra"]
     assert compose_module.job_tree(cfg) == whole

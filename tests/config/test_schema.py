@@ -91,8 +91,11 @@ def test_unquoted_comma_value_explains_list_string_and_sweep():
 
 @pytest.mark.parametrize(
     ("old", "new"),
-    [("rollout.driver", "rollout.schedule"), ("cluster.cpu_slots_per_node", "cluster.cpu_devices_per_node"),
-     ("lora.mode", "trainer.lora_mode")],
+    [
+        ("rollout.driver", "rollout.schedule"),
+        ("cluster.cpu_slots_per_node", "cluster.cpu_devices_per_node"),
+        ("lora.mode", "trainer.lora_mode"),
+    ],
 )
 def test_a_renamed_key_on_the_command_line_names_the_new_key_with_the_value(old, new):
     [problem] = problems_of([f"{old}=async"])

@@ -45,9 +45,10 @@ def test_every_schema_field_has_evidence_and_no_entry_is_stale():
 def functions_in(test_file: str) -> frozenset[str]:
     tree = ast.parse((ROOT / test_file).read_text())
     return frozenset(
-        node.name for node in ast.walk(tree)
+        node.name
+        for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test")
-    )  # fmt: skip
+    )
 
 
 RUNS = [(path, e) for path, evidence in FIELDS.items() for e in evidence if isinstance(e, Runs)]

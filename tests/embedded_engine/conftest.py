@@ -65,11 +65,21 @@ def engine(tiny_moe_dir: Path, adapter_dirs: dict[str, Path], tmp_path_factory) 
     process = start_engine(
         tiny_moe_dir,
         tmp_path_factory.mktemp("engine") / "engine.log",
-        "--enable-lora", "--lora-paths", f"attn_a={adapter_dirs['attn_a']}",
-        "--max-loras-per-batch", "4", "--max-lora-rank", str(MAX_LORA_RANK),
-        "--enable-return-routed-experts", "--random-seed", "7",
-        "--tp-size", "1", "--mem-fraction-static", "0.5",  # SGLang flags that are accepted and ignored
-    )  # fmt: skip
+        "--enable-lora",
+        "--lora-paths",
+        f"attn_a={adapter_dirs['attn_a']}",
+        "--max-loras-per-batch",
+        "4",
+        "--max-lora-rank",
+        str(MAX_LORA_RANK),
+        "--enable-return-routed-experts",
+        "--random-seed",
+        "7",
+        "--tp-size",
+        "1",
+        "--mem-fraction-static",
+        "0.5",  # SGLang flags that are accepted and ignored
+    )
     yield process
     process.stop()
 

@@ -34,8 +34,18 @@ class EngineProcess:
 
 def start_engine(model_dir: Path, log_path: Path, *extra_args: str) -> EngineProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir), "--host", LOOPBACK,
-            "--port", str(port), *extra_args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = launch_engine(argv, port=port, log_path=log_path, env=env, timeout_s=STARTUP_TIMEOUT_S)
     return EngineProcess(process, f"http://{LOOPBACK}:{port}")

@@ -61,8 +61,9 @@ def test_decision_follows_sglangs_levels(path, level, api_key, admin_key, header
 
 
 def test_options_is_always_allowed():
-    assert allowed(method="OPTIONS", path="/generate", authorization=None, level=NORMAL, api_key=API_KEY,
-                   admin_api_key=ADMIN_KEY)  # fmt: skip
+    assert allowed(
+        method="OPTIONS", path="/generate", authorization=None, level=NORMAL, api_key=API_KEY, admin_api_key=ADMIN_KEY
+    )
 
 
 # ----- which routes are admin: SGLang's own marks --------------------------------------------------------------
@@ -116,12 +117,15 @@ def test_admin_routes_are_the_ones_sglang_marks(engine_routes):
 def keyed_engine(tiny_dense_dir: Path, tmp_path_factory, monkeypatch_module) -> Iterator[EngineProcess]:
     monkeypatch_module.setenv(KEY_ENV, API_KEY)  # the key travels in the environment, not argv
     process = start_engine(
-        tiny_dense_dir, tmp_path_factory.mktemp("keyed") / "engine.log",
-        "--api-key-env", KEY_ENV, "--admin-api-key", ADMIN_KEY,
-    )  # fmt: skip
+        tiny_dense_dir,
+        tmp_path_factory.mktemp("keyed") / "engine.log",
+        "--api-key-env",
+        KEY_ENV,
+        "--admin-api-key",
+        ADMIN_KEY,
+    )
     yield process
     process.stop()
-
 
 
 @pytest.mark.integration

@@ -53,12 +53,24 @@ async def http(dist_engine: EngineProcess) -> AsyncIterator[httpx.AsyncClient]:
 async def group(http: httpx.AsyncClient) -> AsyncIterator[object]:
     """A group of two: this process (rank 0) and the engine (rank 1); left on both sides afterwards."""
     port = free_port()
-    init_body = {"master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2,
-                 "group_name": GROUP, "backend": "gloo"}  # fmt: skip
+    init_body = {
+        "master_address": LOOPBACK,
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": GROUP,
+        "backend": "gloo",
+    }
     here = asyncio.to_thread(
-        init_weight_update_group, backend="gloo", master_address=LOOPBACK, master_port=port, rank=0,
-        world_size=2, group_name=GROUP, timeout_s=DIST_TIMEOUT_S,
-    )  # fmt: skip
+        init_weight_update_group,
+        backend="gloo",
+        master_address=LOOPBACK,
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=GROUP,
+        timeout_s=DIST_TIMEOUT_S,
+    )
     process_group, reply = await asyncio.gather(here, http.post("/init_weights_update_group", json=init_body))
     assert reply.status_code == 200, reply.text
     yield process_group
@@ -205,8 +217,14 @@ async def test_an_unknown_base_weight_is_400_after_the_receive_and_the_group_sta
     ["/update_weights_from_distributed", "/load_lora_adapter_from_distributed", "/destroy_weights_update_group"],
 )
 async def test_a_group_that_is_not_initialised_is_400(http, path):
-    body = {"lora_name": "x", "config_dict": {"r": 4}, "names": ["w"], "dtypes": ["float32"], "shapes": [[2]],
-            "group_name": "never_made"}  # fmt: skip
+    body = {
+        "lora_name": "x",
+        "config_dict": {"r": 4},
+        "names": ["w"],
+        "dtypes": ["float32"],
+        "shapes": [[2]],
+        "group_name": "never_made",
+    }
     reply = await http.post(path, json=body)
     assert reply.status_code == 400
     assert "'never_made' is not initialized" in reply.text
@@ -241,8 +259,14 @@ async def test_a_broadcast_that_never_comes_is_400_after_the_timeout_and_drops_t
 
 
 async def test_init_without_the_trainer_is_400_after_the_timeout(http):
-    body = {"master_address": LOOPBACK, "master_port": free_port(), "rank_offset": 1, "world_size": 2,
-            "group_name": "lonely", "backend": "gloo"}  # fmt: skip
+    body = {
+        "master_address": LOOPBACK,
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "lonely",
+        "backend": "gloo",
+    }
     started = time.monotonic()
     reply = await http.post("/init_weights_update_group", json=body)
     assert reply.status_code == 400 and "Failed to init weight update group 'lonely'" in reply.json()["message"]
@@ -250,8 +274,14 @@ async def test_init_without_the_trainer_is_400_after_the_timeout(http):
 
 
 async def test_initialising_a_group_twice_is_400(http, group):
-    body = {"master_address": LOOPBACK, "master_port": free_port(), "rank_offset": 1, "world_size": 2,
-            "group_name": GROUP, "backend": "gloo"}  # fmt: skip
+    body = {
+        "master_address": LOOPBACK,
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": GROUP,
+        "backend": "gloo",
+    }
     reply = await http.post("/init_weights_update_group", json=body)
     assert reply.status_code == 400 and "already initialized" in reply.json()["message"]
 
@@ -261,8 +291,15 @@ async def test_initialising_a_group_twice_is_400(http, group):
     [({"backend": "nccl"}, "use 'gloo'"), ({"rank_offset": 2}, "outside the group"), ({"world_size": 1}, "world_size")],
 )
 async def test_an_impossible_group_is_400(http, change, message):
-    body = {"master_address": LOOPBACK, "master_port": free_port(), "rank_offset": 1, "world_size": 2,
-            "group_name": "impossible", "backend": "gloo", **change}  # fmt: skip
+    body = {
+        "master_address": LOOPBACK,
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "impossible",
+        "backend": "gloo",
+        **change,
+    }
     reply = await http.post("/init_weights_update_group", json=body)
     assert reply.status_code == 400 and message in reply.text
 

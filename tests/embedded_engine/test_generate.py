@@ -71,9 +71,13 @@ async def test_output_logprobs_are_the_models_aligned_with_output_ids(client, ti
 
 async def test_input_logprobs_start_at_logprob_start_len_with_a_null_first_entry(client):
     out = await generate(
-        client, input_ids=PROMPT_IDS, sampling_params={**GREEDY, "max_new_tokens": 2},
-        return_logprob=True, logprob_start_len=2, return_text_in_logprobs=True,
-    )  # fmt: skip
+        client,
+        input_ids=PROMPT_IDS,
+        sampling_params={**GREEDY, "max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=2,
+        return_text_in_logprobs=True,
+    )
     entries = out["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == PROMPT_IDS[2:]
     assert entries[0][0] is None
@@ -83,9 +87,12 @@ async def test_input_logprobs_start_at_logprob_start_len_with_a_null_first_entry
 
 async def test_top_logprobs_give_k_alternatives_per_position(client):
     out = await generate(
-        client, input_ids=PROMPT_IDS, sampling_params={**GREEDY, "max_new_tokens": 3},
-        return_logprob=True, top_logprobs_num=3,
-    )  # fmt: skip
+        client,
+        input_ids=PROMPT_IDS,
+        sampling_params={**GREEDY, "max_new_tokens": 3},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
     tops = out["meta_info"]["output_top_logprobs"]
     assert len(tops) == 3 and all(len(position) == 3 for position in tops)
     # Greedy: the chosen token is the most likely one.

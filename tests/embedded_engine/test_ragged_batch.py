@@ -12,8 +12,10 @@ HEADS, DIM, LAYERS = 2, 4, 2
 
 def row_cache(length: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(HEADS, length, DIM, generator=generator), torch.randn(HEADS, length, DIM, generator=generator))
-            for _ in range(LAYERS)]  # fmt: skip
+    return [
+        (torch.randn(HEADS, length, DIM, generator=generator), torch.randn(HEADS, length, DIM, generator=generator))
+        for _ in range(LAYERS)
+    ]
 
 
 def reference_stack(layout: RaggedLayout, caches) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -43,8 +43,9 @@ class Health(BaseHTTPRequestHandler):
 
 
 def main() -> None:
-    print(json.dumps({"argv": sys.argv[1:], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({"argv": sys.argv[1:], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}), flush=True
+    )
     peers = meet(int(flag("--node-rank")), int(flag("--nnodes")), flag("--dist-init-addr"))
     print(f"met {len(peers)} peer(s)", flush=True)
     HTTPServer((flag("--host"), int(flag("--port"))), Health).serve_forever()

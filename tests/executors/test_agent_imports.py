@@ -5,7 +5,9 @@ import sys
 
 
 def test_the_executors_import_no_torch_transformers_or_peft():
-    code = ("import sys; import miles_runner.executors.ray, miles_runner.executors.local; "
-            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys; import miles_runner.executors.ray, miles_runner.executors.local; "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

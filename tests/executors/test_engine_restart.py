@@ -74,4 +74,3 @@ def test_a_worker_the_router_dropped_is_registered_again(tmp_path):
             time.sleep(0.2)
         ensure_worker(router, worker, timeout_s=60)
         assert router_engines(router) == set(deployment.engine_urls)
-

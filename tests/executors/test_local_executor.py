@@ -39,8 +39,11 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def tiny_plan(*extra: str):
-    ports = [f"engine.base_port={free_port_block(2)}", f"router.port={free_port()}",
-             f"router.metrics_port={free_port()}"]
+    ports = [
+        f"engine.base_port={free_port_block(2)}",
+        f"router.port={free_port()}",
+        f"router.metrics_port={free_port()}",
+    ]
     return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", *ports, *extra]))
 
 
@@ -113,8 +116,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump(plan_to_dict(tiny_plan())))
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(plan_file), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(plan_file), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     pids = json.loads(driver.stdout.readline())
     assert pids and all(pid_alive(p) for p in pids)
     driver.send_signal(signal.SIGINT)

@@ -39,10 +39,14 @@ def fake_sglang(launch: Launch) -> Launch:
 
 
 def with_fake_engines(plan: Plan) -> Plan:
-    engines = [dataclasses.replace(e, launch=fake_sglang(e.launch),
-                                   node_ranks=[dataclasses.replace(r, launch=fake_sglang(r.launch))
-                                               for r in e.node_ranks])
-               for e in plan.engines]  # fmt: skip
+    engines = [
+        dataclasses.replace(
+            e,
+            launch=fake_sglang(e.launch),
+            node_ranks=[dataclasses.replace(r, launch=fake_sglang(r.launch)) for r in e.node_ranks],
+        )
+        for e in plan.engines
+    ]
     return dataclasses.replace(plan, engines=engines)
 
 

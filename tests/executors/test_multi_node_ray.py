@@ -42,16 +42,27 @@ pytestmark = pytest.mark.slow
 # Greedy rollouts (top_k 1), one sample per prompt and REINFORCE++ (advantages normalised over the batch, not
 # all zero as GRPO's would be with groups of one): nothing in the run is left to a sampler's RNG or to which
 # engine served a session, so the one-node and the two-node runs can be compared step by step.
-SHAPE = ["+recipe=tiny_lora_agentic_router", "topology.actor_num_gpus_per_node=1", "rollout.top_k=1",
-         "rollout.n_samples_per_prompt=1", "algorithm.advantage_estimator=reinforce_plus_plus",
-         "rollout.rollout_batch_size=8", "trainer.parallel.micro_batch_size=4", "logger=none"]  # fmt: skip
+SHAPE = [
+    "+recipe=tiny_lora_agentic_router",
+    "topology.actor_num_gpus_per_node=1",
+    "rollout.top_k=1",
+    "rollout.n_samples_per_prompt=1",
+    "algorithm.advantage_estimator=reinforce_plus_plus",
+    "rollout.rollout_batch_size=8",
+    "trainer.parallel.micro_batch_size=4",
+    "logger=none",
+]
 TWO_NODES = ["cluster.nodes=2", "cluster.cpu_devices_per_node=1", "executor=ray"]
 ONE_NODE = ["cluster.nodes=1", "cluster.cpu_devices_per_node=2", "topology.actor_num_gpus_per_node=2"]
 
 
 def free_ports() -> list[str]:
-    return [f"engine.base_port={free_port_block(2)}", f"session.port={free_port()}", f"router.port={free_port()}",
-            f"router.metrics_port={free_port()}"]  # fmt: skip
+    return [
+        f"engine.base_port={free_port_block(2)}",
+        f"session.port={free_port()}",
+        f"router.port={free_port()}",
+        f"router.metrics_port={free_port()}",
+    ]
 
 
 def plan_of(*overrides: str) -> Plan:
@@ -71,11 +82,17 @@ def simulated_cluster(nodes: int, cpus_per_node: int = 1, gpus_per_node: int = 0
     ports = iter(distinct_ports(3 * nodes + 1))  # distinct: Ray refuses a port given to two of its components
     try:
         for k in range(nodes):
-            node_args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node, "resources": {node_resource(k): 1000},
-                         "temp_dir": temp_dir,
-                         "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                         "dashboard_agent_listen_port": next(ports), "metrics_export_port": next(ports),
-                         "runtime_env_agent_port": next(ports)}  # fmt: skip
+            node_args = {
+                "num_cpus": cpus_per_node,
+                "num_gpus": gpus_per_node,
+                "resources": {node_resource(k): 1000},
+                "temp_dir": temp_dir,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+                "dashboard_agent_listen_port": next(ports),
+                "metrics_export_port": next(ports),
+                "runtime_env_agent_port": next(ports),
+            }
             if k == 0:
                 node_args["gcs_server_port"] = next(ports)
             cluster.add_node(**node_args)
@@ -212,8 +229,9 @@ def sleeper() -> Launch:
 
 @pytest.mark.timeout(180)
 def test_a_cluster_without_a_planned_node_or_its_devices_fails_fast_naming_what_is_missing(tmp_path, cluster):
-    three_nodes = plan_of("cluster.nodes=3", "cluster.cpu_devices_per_node=1", "executor=ray",
-                          "topology.actor_num_nodes=2")  # fmt: skip
+    three_nodes = plan_of(
+        "cluster.nodes=3", "cluster.cpu_devices_per_node=1", "executor=ray", "topology.actor_num_nodes=2"
+    )
     two_devices_each = plan_of(*TWO_NODES, "cluster.cpu_devices_per_node=2", "topology.actor_num_gpus_per_node=2")
     with pytest.raises(ClusterNodesError) as missing:
         RayExecutor(three_nodes, tmp_path, startup_timeout_s=30).start()

@@ -73,8 +73,9 @@ def test_an_engine_not_healthy_within_engine_startup_timeout_s_fails_the_start_n
 
 
 def test_a_service_not_healthy_within_executor_health_timeout_s_fails_naming_it(tmp_path):
-    plan = compile_plan(compose(["+recipe=tiny_multi_lora", "executor.health_timeout_s=1.5",
-                                 f"adapters.api_port={free_port_block(1)}"]))  # fmt: skip
+    plan = compile_plan(
+        compose(["+recipe=tiny_multi_lora", "executor.health_timeout_s=1.5", f"adapters.api_port={free_port_block(1)}"])
+    )
     plan = dataclasses.replace(
         plan, multi_lora=dataclasses.replace(plan.multi_lora, launch=asleep(plan.multi_lora.launch))
     )

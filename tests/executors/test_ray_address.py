@@ -48,12 +48,22 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     argv = [
-        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-        f"--port={port}", "--num-cpus=1", f"--resources={json.dumps(resources)}", "--include-dashboard=false",
-        "--disable-usage-stats", f"--temp-dir={temp_dir}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--num-cpus=1",
+        f"--resources={json.dumps(resources)}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+    ]
     # Token auth off: this head is on loopback, and a driver given an explicit address sends no token.
     env = {"RAY_AUTH_MODE": "disabled"}
     head = ManagedProcess("ray-head", argv, env=env, log_path=tmp_path / "ray_head.log").start()
@@ -75,8 +85,17 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
 
 def plan_on(address: str) -> Plan:
     """The tiny recipe, without session server, on the Ray cluster at `address`."""
-    return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", "executor=ray",
-                                 f"executor.ray_address={address}", f"engine.base_port={free_port()}"]))  # fmt: skip
+    return compile_plan(
+        compose(
+            [
+                "+recipe=tiny_lora_agentic",
+                "session=off",
+                "executor=ray",
+                f"executor.ray_address={address}",
+                f"engine.base_port={free_port()}",
+            ]
+        )
+    )
 
 
 @pytest.mark.timeout(300)

@@ -34,8 +34,17 @@ def restart_when_reaped(executor: RayExecutor, timeout_s: float = 30) -> list[in
 @pytest.mark.timeout(300)
 def test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_process(tmp_path):
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
-    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "executor=ray", f"engine.base_port={free_port()}",
-                                 f"session.port={free_port()}", "executor.engine_restarts=1"]))
+    plan = compile_plan(
+        compose(
+            [
+                "+recipe=tiny_lora_agentic",
+                "executor=ray",
+                f"engine.base_port={free_port()}",
+                f"session.port={free_port()}",
+                "executor.engine_restarts=1",
+            ]
+        )
+    )
     executor = RayExecutor(plan, tmp_path, startup_timeout_s=180)
     with executor as deployment:
         pids = executor.pids

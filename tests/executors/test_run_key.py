@@ -29,8 +29,12 @@ GENERATE = {"text": "1 + 1 =", "sampling_params": {"max_new_tokens": 1}}
 
 
 def keyed_overrides(*extra: str) -> list[str]:
-    ports = [f"engine.base_port={free_port_block(2)}", f"router.port={free_port()}",
-             f"router.metrics_port={free_port()}", f"session.port={free_port()}"]  # fmt: skip
+    ports = [
+        f"engine.base_port={free_port_block(2)}",
+        f"router.port={free_port()}",
+        f"router.metrics_port={free_port()}",
+        f"session.port={free_port()}",
+    ]
     return ["+recipe=tiny_lora_agentic", "router=sglang", f"security.api_key_env={KEY_ENV}", *ports, *extra]
 
 
@@ -46,8 +50,11 @@ def test_every_server_of_a_keyed_run_refuses_a_request_without_its_key(tmp_path,
     with LocalExecutor(plan, tmp_path, startup_timeout_s=240) as deployment, http:
         assert deployment.api_key == KEY
         engine, router, session = deployment.engine_urls[0], plan.router.launch.url, deployment.session_url
-        calls = [("POST", f"{engine}/generate", GENERATE), ("GET", f"{router}/workers", None),
-                 ("POST", f"{session}/sessions", None)]  # fmt: skip
+        calls = [
+            ("POST", f"{engine}/generate", GENERATE),
+            ("GET", f"{router}/workers", None),
+            ("POST", f"{session}/sessions", None),
+        ]
         for method, url, body in calls:
             for headers in ({}, bearer("wrong")):
                 assert http.request(method, url, json=body, headers=headers).status_code == 401, url
@@ -68,15 +75,27 @@ def test_the_key_is_refused_before_anything_starts_when_its_variable_is_unset(tm
 
 def miles_run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     environ = {**{k: v for k, v in os.environ.items() if k != KEY_ENV}, "WANDB_MODE": "offline", **env}
-    return subprocess.run(runner_command("miles_runner.cli.main", *args), cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        runner_command("miles_runner.cli.main", *args),
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_keyed_run_with_a_session_server_trains_end_to_end_and_writes_no_key(tmp_path):
-    short = ["algorithm.num_steps=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=2",
-             "checkpoint.interval=0", "logger.plots=false", f"run.output_root={tmp_path / 'outputs'}"]  # fmt: skip
+    short = [
+        "algorithm.num_steps=2",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=2",
+        "checkpoint.interval=0",
+        "logger.plots=false",
+        f"run.output_root={tmp_path / 'outputs'}",
+    ]
     done = miles_run(keyed_overrides(*short), tmp_path, **{KEY_ENV: KEY})
     assert done.returncode == 0, done.stdout + done.stderr
     [run_dir] = [plan.parent for plan in (tmp_path / "outputs").rglob("plan.yaml")]

@@ -26,8 +26,15 @@ LEARNING_RUN = f"algorithm.num_steps={LEARNING_STEPS}"
 
 def recipe_command(root: Path, *overrides: str, recipe: str = "tiny_lora_agentic") -> list[str]:
     """miles-run's command line for the recipe's run under `root`, on free ports (up to two engines)."""
-    return runner_command("miles_runner.cli.main", f"+recipe={recipe}", f"run.output_root={root}", "logger=none",
-                          f"engine.base_port={free_port_block(2)}", f"session.port={free_port()}", *overrides)
+    return runner_command(
+        "miles_runner.cli.main",
+        f"+recipe={recipe}",
+        f"run.output_root={root}",
+        "logger=none",
+        f"engine.base_port={free_port_block(2)}",
+        f"session.port={free_port()}",
+        *overrides,
+    )
 
 
 def run_env(*, fault: bool) -> dict[str, str]:
@@ -37,8 +44,13 @@ def run_env(*, fault: bool) -> dict[str, str]:
 
 def miles_run(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic", timeout_s: float = 880):
     """The recipe's run; with `fault`, under the switch that freezes the rollouts' adapter."""
-    done = subprocess.run(recipe_command(root, *overrides, recipe=recipe), env=run_env(fault=fault),
-                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    done = subprocess.run(
+        recipe_command(root, *overrides, recipe=recipe),
+        env=run_env(fault=fault),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert (f"FAULT SWITCH {FREEZE_ROLLOUT_ADAPTER}=1" in done.stderr) == fault  # a fault run says so
     return done
 
@@ -60,12 +72,19 @@ def records(root: Path) -> list[dict]:
     return [json.loads(line) for line in found[0].read_text().splitlines()] if found else []
 
 
-def run_default_recipe(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic",
-                       timeout_s: float = 880) -> list[float]:  # fmt: skip
+def run_default_recipe(
+    root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora_agentic", timeout_s: float = 880
+) -> list[float]:
     """The recipe's rewards step by step (`overrides` on top of it, e.g. another trainer backend)."""
     # The control run trains on under a frozen adapter only with its push verification off.
-    done = miles_run(root, *overrides, *(["weight_sync.verify=false"] if fault else []), fault=fault, recipe=recipe,
-                     timeout_s=timeout_s)  # fmt: skip
+    done = miles_run(
+        root,
+        *overrides,
+        *(["weight_sync.verify=false"] if fault else []),
+        fault=fault,
+        recipe=recipe,
+        timeout_s=timeout_s,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [record["reward/mean"] for record in records(root)]
 

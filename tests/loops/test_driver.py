@@ -19,16 +19,30 @@ pytestmark = pytest.mark.slow
 
 def run_args(output_root: Path, steps: int, *extra: str) -> list[str]:
     return [
-        "+recipe=tiny_lora_agentic", "session=off", "rollout.task=arith", "rollout.reward=exact_match",
-        "rollout.max_turns=1", f"algorithm.num_steps={steps}", "checkpoint.interval=1", "logger=wandb_offline",
-        f"engine.base_port={free_port_block(2)}", f"run.output_root={output_root}", *extra,
+        "+recipe=tiny_lora_agentic",
+        "session=off",
+        "rollout.task=arith",
+        "rollout.reward=exact_match",
+        "rollout.max_turns=1",
+        f"algorithm.num_steps={steps}",
+        "checkpoint.interval=1",
+        "logger=wandb_offline",
+        f"engine.base_port={free_port_block(2)}",
+        f"run.output_root={output_root}",
+        *extra,
     ]
 
 
 def miles_run(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.Popen(runner_command("miles_runner.cli.main", *args), cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        runner_command("miles_runner.cli.main", *args),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -62,8 +76,15 @@ def test_run_times_each_step_and_its_start_up_milestones_in_order(finished_run):
     for record in steps:  # a step's seconds hold its rollout, train and sync (and the rest of the step)
         assert record["step/seconds"] >= record["rollout/seconds"] + record["train/seconds"] + record["sync/seconds"]
     stamps = json.loads((finished_run / "startup.json").read_text())
-    order = ["loop_started", "engines_ready", "trainer_ready", "rollout_ready", "first_push_done", "first_step_done",
-             "loop_ended"]  # fmt: skip
+    order = [
+        "loop_started",
+        "engines_ready",
+        "trainer_ready",
+        "rollout_ready",
+        "first_push_done",
+        "first_step_done",
+        "loop_ended",
+    ]
     assert [stamps[name] for name in order] == sorted(stamps[name] for name in order)
     assert stamps["loop_started"] < stamps["trainer_built"] <= stamps["trainer_ready"]
 
@@ -95,13 +116,28 @@ def test_final_adapter_is_served_by_the_engine_from_lora_paths(finished_run, tmp
     from miles_testkit.launch import start_engine
 
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(ensure_tiny_model("tiny-moe")),
-            "--port", str(port), "--lora-paths", f"trained={finished_run / 'adapter'}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(ensure_tiny_model("tiny-moe")),
+        "--port",
+        str(port),
+        "--lora-paths",
+        f"trained={finished_run / 'adapter'}",
+    ]
     engine = start_engine(argv, port=port, log_path=tmp_path / "engine.log", timeout_s=120)
     try:
+
         def prompt_logprobs(lora: str | None) -> list[float]:
-            body = {"text": "What is 2 plus 3? The answer is 5.", "sampling_params": {"max_new_tokens": 1},
-                    "return_logprob": True, "logprob_start_len": 0, **({"lora_path": lora} if lora else {})}
+            body = {
+                "text": "What is 2 plus 3? The answer is 5.",
+                "sampling_params": {"max_new_tokens": 1},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                **({"lora_path": lora} if lora else {}),
+            }
             reply = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
             return [entry[0] for entry in reply.json()["meta_info"]["input_token_logprobs"][1:]]
@@ -139,8 +175,15 @@ def test_sigkill_mid_run_resumes_with_no_step_lost_or_repeated(tmp_path):
 
 def test_async_schedule_overlaps_generation_and_trains_one_version_stale(tmp_path):
     outputs = tmp_path / "outputs"
-    args = run_args(outputs, 3, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
-                    "rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true")
+    args = run_args(
+        outputs,
+        3,
+        "topology=disaggregated",
+        "topology.actor_num_gpus_per_node=1",
+        "rollout.schedule=async",
+        "rollout.max_weight_staleness=1",
+        "algorithm.use_tis=true",
+    )
     proc = miles_run(*args, cwd=tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
@@ -154,8 +197,16 @@ def test_async_schedule_overlaps_generation_and_trains_one_version_stale(tmp_pat
 
 def test_a_run_on_two_trainer_ranks_trains_and_saves_its_adapter(tmp_path):
     """FSDP2 across the driver (rank 0) and a follower process (rank 1), with two engines colocated."""
-    proc = miles_run(*run_args(tmp_path / "outputs", 2, "topology.actor_num_gpus_per_node=2",
-                               "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4"), cwd=tmp_path)
+    proc = miles_run(
+        *run_args(
+            tmp_path / "outputs",
+            2,
+            "topology.actor_num_gpus_per_node=2",
+            "rollout.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=4",
+        ),
+        cwd=tmp_path,
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     [plan] = (tmp_path / "outputs").rglob("plan.yaml")

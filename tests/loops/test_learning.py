@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def test_default_recipe_learns_only_when_rollouts_use_the_trained_adapter(tmp_path):
     learned = run_default_recipe(tmp_path / "adapter", LEARNING_RUN, fault=False)
     frozen = run_default_recipe(tmp_path / "frozen", f"algorithm.num_steps={2 * WINDOW}", fault=True)
-    print(f"gain with the adapter {gain(learned):+.3f}, with rollouts frozen on the initial adapter "
-          f"{gain(frozen):+.3f}")
+    print(
+        f"gain with the adapter {gain(learned):+.3f}, with rollouts frozen on the initial adapter {gain(frozen):+.3f}"
+    )
     assert gain(learned) >= MARGIN, learned
     assert gain(frozen) < MARGIN, frozen
     assert gain(learned) - gain(frozen) >= MARGIN
@@ -49,6 +50,11 @@ def test_a_frozen_adapter_stops_the_verified_run_before_the_trainer_steps_on_its
 
 
 def test_a_frozen_adapter_stops_the_async_schedule_at_its_first_push_after_step_0(tmp_path):
-    assert_stopped_at_the_push_after_step_0(tmp_path, "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
-                                            "rollout.schedule=async", "rollout.max_weight_staleness=1",
-                                            "algorithm.use_tis=true")  # fmt: skip
+    assert_stopped_at_the_push_after_step_0(
+        tmp_path,
+        "topology=disaggregated",
+        "topology.actor_num_gpus_per_node=1",
+        "rollout.schedule=async",
+        "rollout.max_weight_staleness=1",
+        "algorithm.use_tis=true",
+    )

@@ -24,8 +24,9 @@ def test_the_last_step_always_pushes_so_the_engines_end_on_the_saved_adapter():
     assert pushes(7, 3) == [2, 5, 6]
 
 
-@pytest.mark.parametrize(("interval", "driver", "bound"), [(1, "sync", 0), (3, "sync", 2), (1, "async", 1),
-                                                           (3, "async", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("interval", "driver", "bound"), [(1, "sync", 0), (3, "sync", 2), (1, "async", 1), (3, "async", 3)]
+)
 def test_the_staleness_bound_is_the_steps_between_pushes_plus_one_for_the_async_schedule(interval, driver, bound):
     assert staleness_bound(interval, driver) == bound
 

@@ -23,9 +23,18 @@ from .recipe_runs import recorded_run, records
 
 pytestmark = pytest.mark.slow
 
-BASE = ("+recipe=tiny_lora_agentic", "session=off", "rollout.task=arith", "rollout.reward=exact_match",
-        "rollout.max_turns=1", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
-        "algorithm.use_tis=true", "checkpoint.interval=1", "logger=none")  # fmt: skip
+BASE = (
+    "+recipe=tiny_lora_agentic",
+    "session=off",
+    "rollout.task=arith",
+    "rollout.reward=exact_match",
+    "rollout.max_turns=1",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+    "algorithm.use_tis=true",
+    "checkpoint.interval=1",
+    "logger=none",
+)
 PROBE_IDS = [5, 6, 7, 8, 9, 10]
 
 
@@ -72,9 +81,14 @@ async def engine_versions(plan: Plan) -> list[str]:
 async def greedy_probe(plan: Plan) -> dict[str, Any]:
     """What the engine's adapter (plan.adapters[0]) generates greedily for PROBE_IDS, with logprobs."""
     async with EngineClient(plan.engines[0].launch.url) as client:
-        out = await client.generate({"input_ids": PROBE_IDS, "lora_path": plan.adapters[0].lora_name,
-                                     "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-                                     "return_logprob": True})  # fmt: skip
+        out = await client.generate(
+            {
+                "input_ids": PROBE_IDS,
+                "lora_path": plan.adapters[0].lora_name,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+                "return_logprob": True,
+            }
+        )
     triples = out["meta_info"]["output_token_logprobs"]
     return {"ids": [t[1] for t in triples], "logprobs": [t[0] for t in triples]}
 
@@ -93,7 +107,6 @@ def saved_adapter_logprobs(run_dir: Path, ids: list[int]) -> list[float]:
     return logits.log_softmax(-1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-
 def column(rows: list[dict[str, Any]], key: str) -> list[Any]:
     return [row.get(key) for row in rows]
 
@@ -101,8 +114,13 @@ def column(rows: list[dict[str, Any]], key: str) -> list[Any]:
 @pytest.fixture(scope="module")
 def every_third_step(tmp_path_factory) -> tuple[ObservedLoop, Path]:
     """Five steps pushing every 3: pushes after steps 2 and 4 (the last), none after 0, 1, 3."""
-    run_dir = recorded_run(tmp_path_factory.mktemp("interval3"), BASE, "algorithm.num_steps=5",
-                           "weight_sync.update_weights_interval=3", "rollout.max_weight_staleness=2")  # fmt: skip
+    run_dir = recorded_run(
+        tmp_path_factory.mktemp("interval3"),
+        BASE,
+        "algorithm.num_steps=5",
+        "weight_sync.update_weights_interval=3",
+        "rollout.max_weight_staleness=2",
+    )
     loop = ObservedLoop(read_plan(run_dir / "plan.yaml"), run_dir)
     loop.run()
     return loop, run_dir
@@ -141,8 +159,13 @@ def test_the_final_adapter_is_the_one_the_engines_serve(every_third_step):
 
 
 def test_a_resumed_run_keeps_the_schedule_and_pushes_the_checkpoint_adapter_first(tmp_path):
-    run_dir = recorded_run(tmp_path, BASE, "algorithm.num_steps=5", "weight_sync.update_weights_interval=2",
-                           "rollout.max_weight_staleness=1")  # fmt: skip
+    run_dir = recorded_run(
+        tmp_path,
+        BASE,
+        "algorithm.num_steps=5",
+        "weight_sync.update_weights_interval=2",
+        "rollout.max_weight_staleness=1",
+    )
     plan = read_plan(run_dir / "plan.yaml")
     first = ObservedLoop(plan, run_dir, crash_after=3)
     with pytest.raises(Crash):

@@ -20,10 +20,22 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     adapter = build_contract_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "lora")
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir),
-        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras-per-batch", "2",
-        "--lora-paths", f"__miles_slot_0={adapter}", f"__miles_slot_1={adapter}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-loras-per-batch",
+        "2",
+        "--lora-paths",
+        f"__miles_slot_0={adapter}",
+        f"__miles_slot_1={adapter}",
+    ]
     engine = start_engine(argv, port=port, log_path=tmp_path_factory.mktemp("logs") / "engine.log", timeout_s=180)
     yield f"http://{LOOPBACK}:{port}"
     engine.stop()

@@ -35,16 +35,30 @@ LIMITS = AdapterLimits(
 
 def defaults(save_root: str = "/tmp/miles-multi-lora-tests") -> AdapterDefaults:
     return AdapterDefaults(
-        rank=8, alpha=16.0, target_modules=TARGETS, lr=1e-3, rollout_batch_size=4, n_samples_per_prompt=2,
-        task="arith", reward="exact_match", save_root=save_root,
-    )  # fmt: skip
+        rank=8,
+        alpha=16.0,
+        target_modules=TARGETS,
+        lr=1e-3,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        task="arith",
+        reward="exact_match",
+        save_root=save_root,
+    )
 
 
 def config(name: str = "a", **overrides: Any) -> AdapterRunConfig:
     values: dict[str, Any] = {
-        "task": "arith", "reward": "exact_match", "rank": 8, "alpha": 16.0, "target_modules": TARGETS,
-        "lr": 1e-3, "rollout_batch_size": 4, "n_samples_per_prompt": 2, "save": f"/tmp/save/{name}",
-    }  # fmt: skip
+        "task": "arith",
+        "reward": "exact_match",
+        "rank": 8,
+        "alpha": 16.0,
+        "target_modules": TARGETS,
+        "lr": 1e-3,
+        "rollout_batch_size": 4,
+        "n_samples_per_prompt": 2,
+        "save": f"/tmp/save/{name}",
+    }
     return AdapterRunConfig(**{**values, **overrides})
 
 
@@ -52,9 +66,13 @@ def run(
     name: str, slot: int, *, version: int = 1, accumulated: int = 0, registration: str = "", **cfg: Any
 ) -> AdapterRun:
     return AdapterRun(
-        name=name, config=config(name, **cfg), slot=slot, version=version,
-        accumulated_groups=accumulated, registration_id=registration or f"reg-{name}",
-    )  # fmt: skip
+        name=name,
+        config=config(name, **cfg),
+        slot=slot,
+        version=version,
+        accumulated_groups=accumulated,
+        registration_id=registration or f"reg-{name}",
+    )
 
 
 def snapshot(*active: AdapterRun, retiring: tuple[AdapterRun, ...] = ()) -> RegistrySnapshot:
@@ -64,19 +82,26 @@ def snapshot(*active: AdapterRun, retiring: tuple[AdapterRun, ...] = ()) -> Regi
 def sample(tokens: list[int] | None = None, status: SampleStatus = SampleStatus.COMPLETED) -> Sample:
     tokens = tokens or [1, 2, 3]
     return Sample(
-        tokens=tokens, response_length=1, loss_mask=[1], rollout_log_probs=[-0.5],
-        rollout_routed_experts=None, status=status,
-    )  # fmt: skip
+        tokens=tokens,
+        response_length=1,
+        loss_mask=[1],
+        rollout_log_probs=[-0.5],
+        rollout_routed_experts=None,
+        status=status,
+    )
 
 
 def group(of: AdapterRun, index: int, *, version: int | None = None, registration: str | None = None) -> Group:
     """A finished group of `of`'s n samples, stamped like the producer stamps it (overridable)."""
     samples = [sample() for _ in range(of.config.n_samples_per_prompt)]
     return Group(
-        of.name, index, samples, of.slot,
+        of.name,
+        index,
+        samples,
+        of.slot,
         of.version if version is None else version,
         of.registration_id if registration is None else registration,
-    )  # fmt: skip
+    )
 
 
 @dataclass

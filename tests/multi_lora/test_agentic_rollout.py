@@ -55,8 +55,9 @@ def tito(model_dir) -> TitoTokenizer:
 @pytest.fixture(scope="module")
 def plan() -> Plan:
     """The multi-LoRA recipe with a session server: greedy, so a turn's answer is the same on every run."""
-    return compile_plan(compose(["+recipe=tiny_multi_lora", "session=v1", "rollout.max_turns=2",
-                                 "rollout.temperature=0"]))  # fmt: skip
+    return compile_plan(
+        compose(["+recipe=tiny_multi_lora", "session=v1", "rollout.max_turns=2", "rollout.temperature=0"])
+    )
 
 
 @dataclass
@@ -105,9 +106,15 @@ async def engines(engine_url) -> AsyncIterator[EnginePool]:
 def context(plan: Plan, engines: EnginePool, session_url: str | None, tito, **rollout: Any) -> RolloutContext:
     plan = dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, **rollout))
     return RolloutContext(
-        plan=plan, engines=engines, tokenizer=tito, task=make_task("count", plan.seed),
-        reward=get_reward("exact_match"), agent=get_agent(plan.rollout.agent), session_url=session_url, lora_name=None,
-    )  # fmt: skip
+        plan=plan,
+        engines=engines,
+        tokenizer=tito,
+        task=make_task("count", plan.seed),
+        reward=get_reward("exact_match"),
+        agent=get_agent(plan.rollout.agent),
+        session_url=session_url,
+        lora_name=None,
+    )
 
 
 def cache_of(current: Callable[[], RegistrySnapshot]) -> AdaptersCache:
@@ -133,8 +140,9 @@ async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot
     session_server, engines, plan, tito
 ):
     adapter = retry_adapter(slot=1)
-    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
-                               seed=0)  # fmt: skip
+    rollout = MultiLoRARollout(
+        context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)), seed=0
+    )
     samples = await play_group(rollout, adapter)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_1", 3)] * 2
     assert [s.metadata["turns"] for s in samples] == [2, 2]  # a wrong first answer is told so, and tried again
@@ -150,8 +158,9 @@ async def test_each_sample_is_an_episode_whose_turns_all_carry_the_adapters_slot
 async def test_a_session_is_bound_to_the_adapters_latest_version(session_server, engines, plan, tito):
     stamped = retry_adapter(slot=0, n=1)
     pushed = dataclasses.replace(stamped, version=5)  # the weights were pushed again after the group was taken
-    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(pushed)),
-                               seed=0)  # fmt: skip
+    rollout = MultiLoRARollout(
+        context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(pushed)), seed=0
+    )
     await play_group(rollout, stamped)
     assert session_server.created == [AdapterSlot("retry", "__miles_slot_0", 5)]
     assert {body["extra_key"] for body in session_server.upstream} == {"retry:v5"}
@@ -171,8 +180,9 @@ async def test_a_name_registered_again_gets_no_session_for_the_old_registrations
 ):
     old = retry_adapter()
     new = dataclasses.replace(old, registration_id="reg-again")
-    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(new)),
-                               seed=0)  # fmt: skip
+    rollout = MultiLoRARollout(
+        context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(new)), seed=0
+    )
     samples = await play_group(rollout, old)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert session_server.created == []
@@ -182,8 +192,9 @@ async def test_an_adapter_retired_between_turns_gets_no_further_turn(session_ser
     adapter = retry_adapter(n=1)
     current = {"snapshot": snapshot(adapter)}
     session_server.before_upstream = lambda: current.update(snapshot=RegistrySnapshot())  # retired as turn 1 goes
-    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito),
-                               cache_of(lambda: current["snapshot"]), seed=0)  # fmt: skip
+    rollout = MultiLoRARollout(
+        context(plan, engines, session_server.url, tito), cache_of(lambda: current["snapshot"]), seed=0
+    )
     [sample] = await play_group(rollout, adapter)
     assert sample.status is SampleStatus.ABORTED
     assert len(session_server.upstream) == 1  # no second turn under a slot it may no longer hold
@@ -222,8 +233,9 @@ async def test_a_session_server_that_is_shutting_down_costs_the_group_not_the_ru
     as a refused connection is, not as an error of the run."""
     await session_server.core.shutdown()
     adapter = retry_adapter()
-    rollout = MultiLoRARollout(context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)),
-                               seed=0)  # fmt: skip
+    rollout = MultiLoRARollout(
+        context(plan, engines, session_server.url, tito), cache_of(lambda: snapshot(adapter)), seed=0
+    )
     samples = await play_group(rollout, adapter)
     assert {s.status for s in samples} == {SampleStatus.ABORTED}
     assert rollout.aborted["retry"] == 2 and not session_server.core.sessions
@@ -278,8 +290,9 @@ async def test_an_episode_that_fails_with_its_session_server_gone_raises_its_own
         raise LookupError("the episode's own failure")
 
     plan = dataclasses.replace(plan, batch=dataclasses.replace(plan.batch, n_samples_per_prompt=1))
-    ctx = dataclasses.replace(context(plan, engines, f"http://{LOOPBACK}:{server.config.port}", tito),
-                              agent=agent_losing_its_server)  # fmt: skip
+    ctx = dataclasses.replace(
+        context(plan, engines, f"http://{LOOPBACK}:{server.config.port}", tito), agent=agent_losing_its_server
+    )
     with pytest.raises(LookupError, match="the episode's own failure"):
         await rollout_agentic(ctx, [ctx.task.prompt(0)])
 

@@ -114,8 +114,15 @@ def test_data_outside_the_data_folders_gets_the_answer_of_a_missing_file(tmp_pat
     outside = tmp_path / "prompts.jsonl"
     outside.write_text('{"prompt": "1", "label": "1"}\n')
     answers = [rejection(data=str(path)) for path in (outside, tmp_path / "missing.jsonl", "/etc")]
-    assert len({answer.replace(str(path), "PATH") for answer, path in
-                zip(answers, (outside, tmp_path / "missing.jsonl", "/etc"), strict=True)}) == 1
+    assert (
+        len(
+            {
+                answer.replace(str(path), "PATH")
+                for answer, path in zip(answers, (outside, tmp_path / "missing.jsonl", "/etc"), strict=True)
+            }
+        )
+        == 1
+    )
     assert "is not a readable file under the controller's data folders" in answers[0]
 
 
@@ -134,11 +141,30 @@ def test_every_problem_is_reported_at_once():
 
 def test_a_plan_adapter_registers_with_its_own_values():
     adapter = AdapterSpec(
-        name="rev", lora_name="__miles_slot_1", rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"],
-        task="reverse", reward="exact_match", lr=2e-3, rollout_batch_size=2, n_samples_per_prompt=4, num_step=3,
-    )  # fmt: skip
+        name="rev",
+        lora_name="__miles_slot_1",
+        rank=4,
+        alpha=8.0,
+        dropout=0.0,
+        target_modules=["q_proj"],
+        task="reverse",
+        reward="exact_match",
+        lr=2e-3,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        num_step=3,
+    )
     resolved = resolve("rev", **plan_overrides(adapter))
     assert resolved == AdapterRunConfig(
-        task="reverse", reward="exact_match", rank=4, alpha=8.0, target_modules=("q_proj",), lr=2e-3,
-        rollout_batch_size=2, n_samples_per_prompt=4, save="/runs/r1/adapters/rev", num_step=3, data="",
-    )  # fmt: skip
+        task="reverse",
+        reward="exact_match",
+        rank=4,
+        alpha=8.0,
+        target_modules=("q_proj",),
+        lr=2e-3,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        save="/runs/r1/adapters/rev",
+        num_step=3,
+        data="",
+    )

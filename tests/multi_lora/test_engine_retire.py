@@ -52,9 +52,13 @@ async def test_retiring_aborts_its_in_flight_requests_and_spares_the_other_adapt
     async with EngineClient(engine_url, timeout_s=120) as engine:
         generate = engine_generate_group(engine, cache, {"slow": LONG, "fast": SHORT}, finishes)
         producer = GroupProducer(
-            cache, buffers, lambda run, index: [10 + run.slot, 20 + index % 50], generate,
-            concurrency=4, max_backlog_groups=2,
-        )  # fmt: skip
+            cache,
+            buffers,
+            lambda run, index: [10 + run.slot, 20 + index % 50],
+            generate,
+            concurrency=4,
+            max_backlog_groups=2,
+        )
         producer.start()
         try:
             await eventually(lambda: buffers.buffered("fast") >= 1, timeout_s=60)

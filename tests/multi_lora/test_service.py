@@ -63,8 +63,14 @@ def start_service(argv: list[str], log_dir: Path, **options) -> tuple[ManagedPro
     port = free_port()
     argv = [sys.executable, "-m", MODULE, *argv, "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    process = ManagedProcess("controller", argv, log_path=log_dir / "controller.log", health_url=f"{url}/health",
-                             startup_timeout_s=60, **options)  # fmt: skip
+    process = ManagedProcess(
+        "controller",
+        argv,
+        log_path=log_dir / "controller.log",
+        health_url=f"{url}/health",
+        startup_timeout_s=60,
+        **options,
+    )
     return process, url
 
 

@@ -37,8 +37,11 @@ def start_driver(run_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN}
     return subprocess.Popen(
         runner_command("miles_runner.loops.run", str(run_dir), *extra),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:

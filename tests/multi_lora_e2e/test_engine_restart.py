@@ -107,8 +107,15 @@ class KillEngineAsThirdPushStarts(MultiLoRALoop):
 
 
 def test_an_engine_that_dies_during_a_push_is_restarted_and_given_every_adapter(tmp_path):
-    run_dir = plan_run(tmp_path / "outputs", RUNS, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-                       "algorithm.num_steps=3", "executor.engine_restarts=1", "logger=none")  # fmt: skip
+    run_dir = plan_run(
+        tmp_path / "outputs",
+        RUNS,
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "algorithm.num_steps=3",
+        "executor.engine_restarts=1",
+        "logger=none",
+    )
     driver = KillEngineAsThirdPushStarts(read_plan(run_dir / "plan.yaml"), run_dir)
     driver.run()
     assert driver.killed

@@ -152,7 +152,7 @@ def test_each_adapter_reward_rises_on_its_own_task(run, name):
     rewards = adapter_rewards(metrics(run.dir), name)
     quarter, eighth = len(rewards) // 4, len(rewards) // 8
     first, last = statistics.mean(rewards[:quarter]), statistics.mean(rewards[-quarter:])
-    eighths = [round(statistics.mean(rewards[i * eighth:(i + 1) * eighth]), 2) for i in range(8)]
+    eighths = [round(statistics.mean(rewards[i * eighth : (i + 1) * eighth]), 2) for i in range(8)]
     assert last - first >= RISE, f"{name}: {first:.3f} in the first quarter, {last:.3f} in the last; eighths {eighths}"
 
 

@@ -19,20 +19,35 @@ GROUP = 2  # samples per prompt
 
 def adapter(name: str, slot: int, *, rank: int = 4) -> AdapterSpec:
     return AdapterSpec(
-        name=name, lora_name=f"__miles_slot_{slot}", rank=rank, alpha=8.0, dropout=0.0,
-        target_modules=["q_proj", "v_proj"], task="count", reward="exact_match", lr=0.05,
-        rollout_batch_size=2, n_samples_per_prompt=GROUP,
-    )  # fmt: skip
+        name=name,
+        lora_name=f"__miles_slot_{slot}",
+        rank=rank,
+        alpha=8.0,
+        dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        task="count",
+        reward="exact_match",
+        lr=0.05,
+        rollout_batch_size=2,
+        n_samples_per_prompt=GROUP,
+    )
 
 
 def group(slot: int, seed: int) -> list[Sample]:
     """One prompt's samples for `slot`: the same prompt, different answers, one rewarded."""
     return [
-        Sample(tokens=[3, 4, 5, 6, 10 + seed + k], response_length=1, loss_mask=[1], rollout_log_probs=[-1.0],
-               rollout_routed_experts=None, status=SampleStatus.COMPLETED, reward=float(k == 0),
-               metadata={"slot": slot})
+        Sample(
+            tokens=[3, 4, 5, 6, 10 + seed + k],
+            response_length=1,
+            loss_mask=[1],
+            rollout_log_probs=[-1.0],
+            rollout_routed_experts=None,
+            status=SampleStatus.COMPLETED,
+            reward=float(k == 0),
+            metadata={"slot": slot},
+        )
         for k in range(GROUP)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture()

@@ -22,10 +22,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def test_a_frozen_adapter_stops_a_multi_lora_run_at_its_first_push_after_a_step(tmp_path: Path):
     env = {**os.environ, "WANDB_MODE": "offline", "MILES_MULTI_LORA_API_TOKEN": TOKEN, FREEZE_ROLLOUT_ADAPTER: "1"}
-    args = ["+recipe=tiny_multi_lora", f"engine.base_port={free_port()}", f"adapters.api_port={free_port()}",
-            f"run.output_root={tmp_path}", "logger=none"]  # fmt: skip
-    done = subprocess.run(runner_command("miles_runner.cli.main", *args), env=env, capture_output=True,
-                          text=True, timeout=880)  # fmt: skip
+    args = [
+        "+recipe=tiny_multi_lora",
+        f"engine.base_port={free_port()}",
+        f"adapters.api_port={free_port()}",
+        f"run.output_root={tmp_path}",
+        "logger=none",
+    ]
+    done = subprocess.run(
+        runner_command("miles_runner.cli.main", *args), env=env, capture_output=True, text=True, timeout=880
+    )
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     [error] = [line for line in done.stderr.splitlines() if "SyncVerificationError: iteration" in line]
     print(error)

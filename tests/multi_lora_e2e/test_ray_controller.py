@@ -37,7 +37,9 @@ def test_the_controller_serves_under_its_named_actor_on_the_head_node_and_stops_
         actor = local_ray.get_actor(CONTROLLER_ACTOR, namespace=NAMESPACE)
         assert local_ray.get(actor.node_id.remote()) == local_ray.get_runtime_context().get_node_id()
         assert local_ray.get([actor.http_host.remote(), actor.api_port.remote()]) == [
-            plan.multi_lora.launch.host, plan.multi_lora.launch.port]
+            plan.multi_lora.launch.host,
+            plan.multi_lora.launch.port,
+        ]
         assert httpx.get(f"{url}/health", timeout=10, trust_env=False).json() == {"status": "healthy"}
         names = [a["name"] for a in httpx.get(f"{url}/adapter_runs", timeout=10, trust_env=False).json()["adapters"]]
         assert sorted(names) == ["arith", "count"]  # the plan's adapters, registered by the service at start
@@ -47,8 +49,14 @@ def test_the_controller_serves_under_its_named_actor_on_the_head_node_and_stops_
 
 
 def test_a_multi_lora_run_trains_with_the_ray_executor(tmp_path):
-    run_dir = plan_run(tmp_path / "outputs", RUNS, "executor=ray", "rollout.rollout_batch_size=4",
-                       "rollout.n_samples_per_prompt=4", "algorithm.num_steps=2")  # fmt: skip
+    run_dir = plan_run(
+        tmp_path / "outputs",
+        RUNS,
+        "executor=ray",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "algorithm.num_steps=2",
+    )
     proc = start_driver(run_dir)
     out, _ = proc.communicate(timeout=360)
     assert proc.returncode == 0, out[-4000:]

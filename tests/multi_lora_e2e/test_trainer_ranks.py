@@ -17,9 +17,14 @@ STEPS = 3
 
 def test_a_multi_lora_run_trains_on_two_trainer_ranks(tmp_path):
     run_dir = plan_run(
-        tmp_path / "outputs", RUNS, "cluster.cpu_devices_per_node=3", "topology.actor_num_gpus_per_node=2",
-        "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", f"algorithm.num_steps={STEPS}",
-    )  # fmt: skip
+        tmp_path / "outputs",
+        RUNS,
+        "cluster.cpu_devices_per_node=3",
+        "topology.actor_num_gpus_per_node=2",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        f"algorithm.num_steps={STEPS}",
+    )
     assert read_plan(run_dir / "plan.yaml").trainer.parallel.dp == 2
     proc = start_driver(run_dir)
     out, _ = proc.communicate(timeout=400)

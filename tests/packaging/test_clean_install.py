@@ -44,8 +44,14 @@ class Install:
     env: dict[str, str]
 
     def run(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(self.venv / "bin" / "miles-run"), *args], cwd=self.work, env={**self.env, **env},
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [str(self.venv / "bin" / "miles-run"), *args],
+            cwd=self.work,
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert done.returncode == 0, f"miles-run {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
 
@@ -76,8 +82,9 @@ def fresh_venv(root: Path, deps: Path) -> Path:
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     code = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=True, capture_output=True,
-                             text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
     # addsitedir, not a bare path: the linked folder's own .pth files (setuptools' distutils hook) take effect too.
     (Path(purelib) / "project_dependencies.pth").write_text(f"import site; site.addsitedir({str(deps)!r})\n")
     return venv
@@ -97,20 +104,44 @@ def install(tmp_path_factory) -> Install:
     source = copy_sources(root / "src")
     venv = fresh_venv(root, linked_dependencies(root / "deps"))
     env = clean_env(venv)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--no-cache-dir", "--disable-pip-version-check", str(source)],
-                   check=True, env=env, cwd=root, timeout=300)
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            str(source),
+        ],
+        check=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
     work = root / "empty"
     work.mkdir()
     return Install(venv, work, env)
 
 
 def test_the_installed_package_and_its_config_live_in_the_fresh_venv(install):
-    code = ("import miles_runner, sys; from miles_runner.core.paths import conf_dir, recipes_dir; "
-            "print(miles_runner.__file__); print(conf_dir().resolve()); print(recipes_dir().resolve()); "
-            "print(recipes_dir().is_symlink())")
-    done = subprocess.run([str(install.venv / "bin" / "python"), "-c", code], cwd=install.work, env=install.env,
-                          capture_output=True, text=True, check=True)
+    code = (
+        "import miles_runner, sys; from miles_runner.core.paths import conf_dir, recipes_dir; "
+        "print(miles_runner.__file__); print(conf_dir().resolve()); print(recipes_dir().resolve()); "
+        "print(recipes_dir().is_symlink())"
+    )
+    done = subprocess.run(
+        [str(install.venv / "bin" / "python"), "-c", code],
+        cwd=install.work,
+        env=install.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     package, conf, recipes, linked = done.stdout.split()
     for path in (package, conf, recipes):
         assert Path(path).is_relative_to(install.venv) and not Path(path).is_relative_to(REPO), path
@@ -148,11 +179,20 @@ def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records
     # first), without 150 pre-training steps.
     cache = tmp_path / "cache"
     port = free_port_block(2)
-    install.run("+recipe=tiny_lora_agentic", "model.path=tiny:tiny-moe", "algorithm.num_steps=1",
-                "rollout.rollout_batch_size=2",
-                "rollout.n_samples_per_prompt=2", "checkpoint.interval=0", "logger=none",
-                f"engine.base_port={port}", f"session.port={port + 1}", "hydra.run.dir=first_run", timeout=300,
-                MILES_CACHE_DIR=str(cache))  # fmt: skip
+    install.run(
+        "+recipe=tiny_lora_agentic",
+        "model.path=tiny:tiny-moe",
+        "algorithm.num_steps=1",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "checkpoint.interval=0",
+        "logger=none",
+        f"engine.base_port={port}",
+        f"session.port={port + 1}",
+        "hydra.run.dir=first_run",
+        timeout=300,
+        MILES_CACHE_DIR=str(cache),
+    )
     run_dir = install.work / "first_run"
     assert (run_dir / "plan.yaml").is_file()
     assert yaml.safe_load((run_dir / "plan.yaml").read_text())["model_path"].startswith(str(cache))
@@ -161,9 +201,15 @@ def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records
 
 def test_the_slurm_launcher_plugin_ships_in_the_wheel(install):
     """Hydra finds hydra/launcher=miles_slurm in the installed wheel (its plugin scan of hydra_plugins)."""
-    code = ("import hydra_plugins.miles_slurm_launcher.launcher as m; print(m.__file__)")
-    done = subprocess.run([str(install.venv / "bin" / "python"), "-c", code], cwd=install.work, env=install.env,
-                          capture_output=True, text=True, check=True)
+    code = "import hydra_plugins.miles_slurm_launcher.launcher as m; print(m.__file__)"
+    done = subprocess.run(
+        [str(install.venv / "bin" / "python"), "-c", code],
+        cwd=install.work,
+        env=install.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(done.stdout.strip()).is_relative_to(install.venv)
     out = install.run("+recipe=tiny_lora_agentic", "hydra/launcher=miles_slurm", "--plan").stdout
     assert "#SBATCH --nodes=1" in out and "miles_runner.cli.recorded_run" in out

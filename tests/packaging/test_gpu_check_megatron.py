@@ -24,8 +24,9 @@ SCRIPT = REPO / "scripts" / "gpu_check_megatron.sh"
 
 
 def run_script(*args: str, timeout_s: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **env})  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env}
+    )
 
 
 def test_plan_only_compiles_the_raw_and_bridge_plans_it_runs(tmp_path: Path) -> None:

@@ -155,11 +155,19 @@ def test_train_only_adapter_is_not_loaded_on_engines(plan):
         (QWEN30, "tensor"),
         (TINY_MULTI, "broadcast"),
         (MATH, "broadcast"),
-        (["adapters=none", "lora_mode=none", "topology=disaggregated", "topology.actor_num_gpus_per_node=1",
-          "weight_sync.transfer_mode=p2p"], "p2p"),
+        (
+            [
+                "adapters=none",
+                "lora_mode=none",
+                "topology=disaggregated",
+                "topology.actor_num_gpus_per_node=1",
+                "weight_sync.transfer_mode=p2p",
+            ],
+            "p2p",
+        ),
     ],
     ids=["cpu-colocated", "gpu-colocated", "cpu-disaggregated", "gpu-disaggregated", "full-weights-p2p"],
-)  # fmt: skip
+)
 def test_weight_sync_transfer_mode_follows_topology(overrides, method, plan):
     assert plan(overrides).weight_sync.transfer_mode == method
 
@@ -228,8 +236,14 @@ def test_exclude_modules_removes_expanded_names(plan):
     # gate_proj and up_proj go together: Megatron fuses them into one linear (megatron-lora-fused-targets).
     p = plan([*GLM_ALL_LINEAR, "adapters.exclude_modules=[q_proj,kv_b_proj,gate_proj,up_proj]"])
     assert p.adapters[0].target_modules == [
-        "k_proj", "v_proj", "o_proj", "down_proj", "kv_a_proj_with_mqa", "q_a_proj", "q_b_proj",
-    ]  # fmt: skip
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "down_proj",
+        "kv_a_proj_with_mqa",
+        "q_a_proj",
+        "q_b_proj",
+    ]
 
 
 def test_exclude_of_an_untargeted_module_changes_nothing(plan):
@@ -276,10 +290,13 @@ def test_multi_lora_uses_a_dynamic_global_batch(plan):
 
 @pytest.mark.parametrize(
     ("overrides", "normalize"),
-    [(TINY, True), ([*TINY, "rollout.n_samples_per_prompt=1"], False),
-     ([*TINY_MULTI, "rollout.n_samples_per_prompt=1"], True)],
+    [
+        (TINY, True),
+        ([*TINY, "rollout.n_samples_per_prompt=1"], False),
+        ([*TINY_MULTI, "rollout.n_samples_per_prompt=1"], True),
+    ],
     ids=["group", "one-sample", "one-sample-multi-lora"],
-)  # fmt: skip
+)
 def test_std_normalisation_needs_groups_except_under_multi_lora(overrides, normalize, plan):
     assert plan(overrides).capabilities.normalize_advantages_by_std is normalize
 

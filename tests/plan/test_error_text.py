@@ -8,8 +8,14 @@ from miles_runner.config.compose import compose
 from miles_runner.core.errors import PlanError
 from miles_runner.plan.compile import compile_plan
 
-BAD = ["+recipe=qwen3_30b_a3b_r3_session", "pause_generation_mode=abort", "topology=disaggregated",
-       "adapters=multi", "rollout.fully_async=true", "topology=colocated"]
+BAD = [
+    "+recipe=qwen3_30b_a3b_r3_session",
+    "pause_generation_mode=abort",
+    "topology=disaggregated",
+    "adapters=multi",
+    "rollout.fully_async=true",
+    "topology=colocated",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,5 +50,9 @@ def test_each_problem_ends_with_a_pasteable_fix(error):
 
 def test_all_violations_are_reported_at_once(error):
     rules = {p.rule for p in error.problems}
-    assert {"session-needs-resumable-pause", "multi-lora-needs-disaggregated",
-            "fully-async-needs-disaggregated", "fully-async-needs-resumable-pause"} <= rules
+    assert {
+        "session-needs-resumable-pause",
+        "multi-lora-needs-disaggregated",
+        "fully-async-needs-disaggregated",
+        "fully-async-needs-resumable-pause",
+    } <= rules

@@ -42,14 +42,35 @@ RECIPES = sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml"))
 NUMBERS = ("0", "1", "2", "3", "4", "8", "16", "-1")
 ODD = ("x", "true", "1.5", "null", "[1]", "1e9", "nan")
 KEYS = [
-    "trainer.parallel.tp", "trainer.parallel.pp", "trainer.parallel.ep", "trainer.parallel.cp", "engine.tp_size",
-    "engine.ep_size", "topology.actor_num_gpus_per_node", "topology.rollout_num_gpus", "cluster.nodes",
-    "cluster.gpus_per_node", "rollout.n_samples_per_prompt", "rollout.rollout_batch_size", "adapters.rank",
-    "algorithm.global_batch_size", "rollout.max_weight_staleness", "adapters.max_slots", "session.port",
-    "executor.engine_restarts", "checkpoint.interval",
-]  # fmt: skip
-FLAGS = ["rollout.fully_async", "rollout.routing_replay", "rollout.partial_rollout", "adapters.train_only",
-         "trainer.calculate_per_token_loss", "rollout.group_rm", "cluster.cpu_only"]  # fmt: skip
+    "trainer.parallel.tp",
+    "trainer.parallel.pp",
+    "trainer.parallel.ep",
+    "trainer.parallel.cp",
+    "engine.tp_size",
+    "engine.ep_size",
+    "topology.actor_num_gpus_per_node",
+    "topology.rollout_num_gpus",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "rollout.n_samples_per_prompt",
+    "rollout.rollout_batch_size",
+    "adapters.rank",
+    "algorithm.global_batch_size",
+    "rollout.max_weight_staleness",
+    "adapters.max_slots",
+    "session.port",
+    "executor.engine_restarts",
+    "checkpoint.interval",
+]
+FLAGS = [
+    "rollout.fully_async",
+    "rollout.routing_replay",
+    "rollout.partial_rollout",
+    "adapters.train_only",
+    "trainer.calculate_per_token_loss",
+    "rollout.group_rm",
+    "cluster.cpu_only",
+]
 # The run's key and limits (issue 15), fuzzed once the schema has them: (ordinary values, odd values).
 NEW_SETTINGS = {
     "security.api_key_env": (("", "MILES_FUZZ_KEY", "HOME"), ("x y", "1", "null", "$KEY")),
@@ -59,8 +80,11 @@ NEW_SETTINGS = {
     "session.max_age_s": (NUMBERS, ODD),
 }
 SCHEMA_PATHS = set(flatten(defaults_tree()))
-CHOICES = {**dict.fromkeys(KEYS, (NUMBERS, ODD)), **dict.fromkeys(FLAGS, (("true", "false"), ("maybe", "1.5"))),
-           **{k: v for k, v in NEW_SETTINGS.items() if k in SCHEMA_PATHS}}  # fmt: skip
+CHOICES = {
+    **dict.fromkeys(KEYS, (NUMBERS, ODD)),
+    **dict.fromkeys(FLAGS, (("true", "false"), ("maybe", "1.5"))),
+    **{k: v for k, v in NEW_SETTINGS.items() if k in SCHEMA_PATHS},
+}
 PARSER = OverridesParser.create()
 
 
@@ -119,8 +143,9 @@ def test_the_new_settings_that_exist_are_fuzzed():
 
 
 @pytest.mark.reliability
-@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-          suppress_health_check=list(HealthCheck))  # fmt: skip
+@settings(
+    max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 @given(override_sets)
 def test_any_override_combination_gives_a_plan_or_a_plan_error_naming_its_rule(
     composed: Callable[[tuple[str, ...]], ComposedConfig | PlanError], drawn: tuple[Any, list[str]]

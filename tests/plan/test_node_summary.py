@@ -9,8 +9,12 @@ def test_each_node_row_names_the_engine_node_ranks_it_runs():
     # glm52: 4 nodes x 8 GPUs, engines of TP 16 over nodes 0-1 and 2-3; router and session beside the driver.
     plan = compile_design(compose(["+recipe=glm52_lora_agentic"]))
     rows = node_lines(plan)
-    expected = ["engine0 (node rank 0 of 2)", "engine0 (node rank 1 of 2)", "engine1 (node rank 0 of 2)",
-                "engine1 (node rank 1 of 2)"]  # fmt: skip
+    expected = [
+        "engine0 (node rank 0 of 2)",
+        "engine0 (node rank 1 of 2)",
+        "engine1 (node rank 0 of 2)",
+        "engine1 (node rank 1 of 2)",
+    ]
     for k, (row, engine) in enumerate(zip(rows, expected, strict=True)):
         assert engine in row and f"address {{node{k}}}" in row, row
         assert all(other not in row for other in expected if other != engine), row
@@ -21,8 +25,17 @@ def test_each_node_row_names_the_engine_node_ranks_it_runs():
 
 
 def test_an_engine_within_a_node_keeps_its_plain_name():
-    plan = compile_design(compose(["+recipe=tiny_lora_agentic_router", "cluster.nodes=2", "executor=ray",
-                                   "cluster.cpu_devices_per_node=1", "topology.actor_num_gpus_per_node=1"]))  # fmt: skip
+    plan = compile_design(
+        compose(
+            [
+                "+recipe=tiny_lora_agentic_router",
+                "cluster.nodes=2",
+                "executor=ray",
+                "cluster.cpu_devices_per_node=1",
+                "topology.actor_num_gpus_per_node=1",
+            ]
+        )
+    )
     rows = node_lines(plan)
     assert rows[0].startswith("driver (trainer rank 0), engine0, router, session;") and "engine1" in rows[1]
     assert "node rank" not in summarize(plan, "plan.yaml")

@@ -43,8 +43,13 @@ QWEN05 = ("+recipe=qwen25_05b_lora",)  # megatron + bridge, one GPU, sglang
 QWEN30 = ("+recipe=qwen3_30b_a3b_r3_session",)  # 8 GPUs colocated, TP 2, EP 8, engines TP 4
 GLM = ("+recipe=glm52_lora_agentic",)  # 4 x 8 H200, ray
 # Two CPU nodes of one device each (ray), colocated: one embedded engine of TP 1 per node.
-TWO_CPU_NODES = (*TINY, "executor=ray", "cluster.nodes=2", "cluster.cpu_devices_per_node=1",
-                 "topology.actor_num_gpus_per_node=1")
+TWO_CPU_NODES = (
+    *TINY,
+    "executor=ray",
+    "cluster.nodes=2",
+    "cluster.cpu_devices_per_node=1",
+    "topology.actor_num_gpus_per_node=1",
+)
 MATH = ("+recipe=multi_lora_math",)  # megatron multi-LoRA, 4 train + 4 rollout GPUs, TP 2 (DP 2)
 FULL_WEIGHTS = ("adapters=none", "lora_mode=none")
 CPU_DISAGG = ("topology=disaggregated", "topology.actor_num_gpus_per_node=1")  # 1 trainer + 1 engine device
@@ -54,13 +59,26 @@ MULTI_ASYNC = (*TINY_MULTI, "rollout.schedule=async", "algorithm.use_tis=true")
 RAW = ("lora_mode=raw",)  # the project's own LoRA on megatron-core (qwen2, qwen3, qwen3_moe)
 MEGATRON_CPU = ("trainer=megatron", *RAW)  # the Megatron trainer on the default CPU shape (tiny MoE, 2 devices)
 # Disaggregated LoRA sync broadcasts the adapter: a route only the sglang-miles fork serves.
-QWEN30_DISAGG = (*QWEN30, "cluster=h200_4x8", "topology=disaggregated", "topology.actor_num_nodes=1",
-                 "engine.build=miles_fork")  # fmt: skip
+QWEN30_DISAGG = (
+    *QWEN30,
+    "cluster=h200_4x8",
+    "topology=disaggregated",
+    "topology.actor_num_nodes=1",
+    "engine.build=miles_fork",
+)
 # A trainer on part of node 0, so that the engines start mid-node (8-GPU nodes).
-HALF_NODE_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=4", "trainer.parallel.ep=4",
-                     "topology.rollout_num_gpus=24")
-TWO_DEVICE_TRAINER = (*QWEN30_DISAGG, "topology.actor_num_gpus_per_node=2", "trainer.parallel.ep=2",
-                    "topology.rollout_num_gpus=8")  # engines of TP 4: 4 devices of node 0, then 2 + 2
+HALF_NODE_TRAINER = (
+    *QWEN30_DISAGG,
+    "topology.actor_num_gpus_per_node=4",
+    "trainer.parallel.ep=4",
+    "topology.rollout_num_gpus=24",
+)
+TWO_DEVICE_TRAINER = (
+    *QWEN30_DISAGG,
+    "topology.actor_num_gpus_per_node=2",
+    "trainer.parallel.ep=2",
+    "topology.rollout_num_gpus=8",
+)  # engines of TP 4: 4 devices of node 0, then 2 + 2
 INTERVAL, STALE = "weight_sync.update_weights_interval", "rollout.max_weight_staleness"
 ESTIMATOR = "algorithm.advantage_estimator"
 # tiny_multi_lora's adapters, the first one replaced (a whole-list override: its items set only a few keys).
@@ -70,7 +88,8 @@ TINY_RUNS = "adapters.runs=[{first}, {{name: reverse, task: reverse}}, {{name: c
 CASES = [
     # ---- preconditions (checked alone, before the rules that divide by these sizes) ----
     RuleCase("sizes-positive", CPU, ("trainer.parallel.tp=0",), ("trainer.parallel.tp=1",)),
-    RuleCase("sizes-positive", CPU, ("cluster.cpu_devices_per_node=0",), ("cluster.cpu_devices_per_node=1",), "cpu-devices"),
+    RuleCase("sizes-positive", CPU, ("cluster.cpu_devices_per_node=0",), ("cluster.cpu_devices_per_node=1",),
+             "cpu-devices"),
     RuleCase("sizes-positive", CPU, ("executor.engine_restarts=-1",), ("executor.engine_restarts=2",), "restarts"),
     # ---- session server and pause mode ----
     RuleCase(
@@ -113,7 +132,8 @@ CASES = [
     ),
     RuleCase(
         "fully-async-needs-async-driver", (*CPU_DISAGG, "rollout.fully_async=true"),
-        ("rollout.schedule=sync",), ("rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true"),
+        ("rollout.schedule=sync",),
+        ("rollout.schedule=async", "rollout.max_weight_staleness=1", "algorithm.use_tis=true"),
     ),
     RuleCase("async-driver-needs-disaggregated", ASYNC, ("topology=colocated",), ("topology=disaggregated",)),
     RuleCase(
@@ -623,14 +643,16 @@ def test_every_not_built_refusal_is_left_out_of_the_design():
 # ---- the Megatron trainer runs on a CPU cluster (gloo), with its model parallelism ----
 
 
-@pytest.mark.parametrize("layout", [(), ("trainer.parallel.tp=2",), ("trainer.parallel.ep=2",), ("model=tiny_dense",)],
-                         ids=["dp2", "tp2", "ep2", "dense"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [(), ("trainer.parallel.tp=2",), ("trainer.parallel.ep=2",), ("model=tiny_dense",)],
+    ids=["dp2", "tp2", "ep2", "dense"],
+)
 def test_the_megatron_trainer_runs_on_a_cpu_cluster(layout, problems):
     assert problems([*MEGATRON_CPU, *layout]) == []
 
 
 # ---- how list items (adapters.runs[i]) are shown ----
-
 
 
 def problem_of(rule_id: str, overrides: list[str], problems) -> Problem:
@@ -661,7 +683,6 @@ def test_unset_list_item_field_gets_a_working_hint(problems):
 
 
 # ---- combinations that once slipped through ----
-
 
 
 def test_service_mode_needs_at_least_one_slot(problems):

@@ -41,8 +41,9 @@ def test_sglang_takes_a_placeholder_and_our_engine_the_variables_name():
 
 def test_every_server_of_a_keyed_plan_gets_the_key_and_the_plan_holds_no_value(monkeypatch):
     monkeypatch.setenv(KEY_ENV, "the-value-itself")
-    plan = compile_design(compose(["cluster=gpu_1x", "engine=sglang", "router=sglang", "session=v1",
-                                   f"security.api_key_env={KEY_ENV}"]))  # fmt: skip
+    plan = compile_design(
+        compose(["cluster=gpu_1x", "engine=sglang", "router=sglang", "session=v1", f"security.api_key_env={KEY_ENV}"])
+    )
     placeholder = secret_placeholder(KEY_ENV)
     assert plan.engines[0].launch.argv[-2:] == ["--api-key", placeholder]
     assert plan.router.launch.argv[-2:] == ["--api-key", placeholder]

@@ -12,16 +12,24 @@ MEGATRON_CPU = ("trainer=megatron", "lora_mode=raw")  # the default CPU shape: t
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (MEGATRON_CPU, "megatron, 2 ranks, TP 1, EP 1, PP 1, CP 1, DP 2, megatron-core, raw LoRA on megatron "
-                       "linears, thd packs samples, LoRA r8 a16 via raw on [q_proj, k_proj, v_proj, o_proj]"),
-        ((*MEGATRON_CPU, "trainer.parallel.tp=2", "trainer.parallel.qkv_format=bshd"),
-         "megatron, 2 ranks, TP 2, EP 1, PP 1, CP 1, DP 1, megatron-core, raw LoRA on megatron linears, "
-         "bshd pads rows, SP, LoRA r8"),
-        (("+recipe=qwen25_05b_lora",), "megatron, 1 rank, TP 1, EP 1, PP 1, CP 1, DP 1, megatron-core + "
-                                       "Megatron-Bridge PEFT LoRA, thd packs samples, LoRA r32 a32 via bridge"),
+        (
+            MEGATRON_CPU,
+            "megatron, 2 ranks, TP 1, EP 1, PP 1, CP 1, DP 2, megatron-core, raw LoRA on megatron "
+            "linears, thd packs samples, LoRA r8 a16 via raw on [q_proj, k_proj, v_proj, o_proj]",
+        ),
+        (
+            (*MEGATRON_CPU, "trainer.parallel.tp=2", "trainer.parallel.qkv_format=bshd"),
+            "megatron, 2 ranks, TP 2, EP 1, PP 1, CP 1, DP 1, megatron-core, raw LoRA on megatron linears, "
+            "bshd pads rows, SP, LoRA r8",
+        ),
+        (
+            ("+recipe=qwen25_05b_lora",),
+            "megatron, 1 rank, TP 1, EP 1, PP 1, CP 1, DP 1, megatron-core + "
+            "Megatron-Bridge PEFT LoRA, thd packs samples, LoRA r32 a32 via bridge",
+        ),
     ],
     ids=["raw-thd", "raw-tp2-bshd", "bridge"],
-)  # fmt: skip
+)
 def test_the_megatron_trainer_row_names_its_lora_path_layout_and_sequence_parallelism(overrides, expected, plan):
     assert trainer_line(plan(overrides)).startswith(expected)
 

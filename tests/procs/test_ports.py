@@ -65,8 +65,9 @@ def test_a_block_is_consecutive_and_every_port_of_it_is_free():
 
 
 def test_the_job_scripts_port_command_prints_distinct_ports_for_every_interface():
-    done = subprocess.run([sys.executable, "-m", "miles_runner.slurm.free_ports", "3"], capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_runner.slurm.free_ports", "3"], capture_output=True, text=True, check=True
+    )
     printed = [int(port) for port in done.stdout.split()]
     assert len(set(printed)) == 3
     for port in printed:

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def server_socket() -> str:
     folder = Path(tempfile.mkdtemp(prefix="warm-"))  # short: a Unix socket's path has at most 107 bytes
-    server = start_warm_server(folder / "warm.sock", folder / "warm.log", "--preload", "numpy", SETTER,
-                               "--modules", PROBE)  # fmt: skip
+    server = start_warm_server(
+        folder / "warm.sock", folder / "warm.log", "--preload", "numpy", SETTER, "--modules", PROBE
+    )
     yield str(folder / "warm.sock")
     server.stop()
     shutil.rmtree(folder, ignore_errors=True)
@@ -40,8 +41,9 @@ def server_socket() -> str:
 def probe(tmp_path: Path, name: str, code: str, warm_socket: str, **env: str) -> ManagedProcess:
     out = tmp_path / f"{name}.json"
     argv = [sys.executable, "-m", PROBE, str(out), code]
-    return ManagedProcess(name, argv, env={WARM_START_ENV: warm_socket, **env}, cwd=REPO,
-                          log_path=tmp_path / f"{name}.log")  # fmt: skip
+    return ManagedProcess(
+        name, argv, env={WARM_START_ENV: warm_socket, **env}, cwd=REPO, log_path=tmp_path / f"{name}.log"
+    )
 
 
 def seen(tmp_path: Path, name: str) -> dict:
@@ -65,8 +67,10 @@ def gone(pid: int, timeout_s: float = 10) -> bool:
 
 
 def test_a_warm_child_sees_what_a_cold_start_of_its_command_sees(tmp_path, server_socket):
-    cold, warm, warm2 = (probe(tmp_path, name, "3", sock) for name, sock in
-                         [("cold", ""), ("warm", server_socket), ("warm2", server_socket)])  # fmt: skip
+    cold, warm, warm2 = (
+        probe(tmp_path, name, "3", sock)
+        for name, sock in [("cold", ""), ("warm", server_socket), ("warm2", server_socket)]
+    )
     for process in (cold, warm, warm2):
         process.start()
         assert process._popen.wait(60) == 3
@@ -114,8 +118,9 @@ def test_a_warm_child_dies_with_the_process_that_started_it(tmp_path, server_soc
         print(type(process._popen).__name__, process.pid, flush=True)
         time.sleep(600)
     """)
-    started = subprocess.Popen([sys.executable, "-c", requester], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                               env=dict(os.environ))  # fmt: skip
+    started = subprocess.Popen(
+        [sys.executable, "-c", requester], stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ)
+    )
     kind, pid = started.stdout.readline().split()
     assert kind == "WarmChild"
     seen(tmp_path, "orphan")
@@ -148,8 +153,9 @@ def test_what_the_servers_imports_set_reaches_the_child_and_may_come_from_a_requ
     tmp_path, server_socket
 ):
     for name, given in (("unset", None), ("same", "computed-at-import"), ("other", "given")):
-        process = probe(tmp_path, name, "0", server_socket,
-                        **({"MILES_PROBE_IMPORT_SET": given} if given else {})).start()  # fmt: skip
+        process = probe(
+            tmp_path, name, "0", server_socket, **({"MILES_PROBE_IMPORT_SET": given} if given else {})
+        ).start()
         assert process._popen.wait(60) == 0
         assert isinstance(process._popen, WarmChild) == (name != "other")  # another value: its import would differ
         assert seen(tmp_path, name)["env"]["MILES_PROBE_IMPORT_SET"] == (given or "computed-at-import")
@@ -160,10 +166,19 @@ def test_what_the_server_cannot_match_starts_cold(tmp_path, server_socket):
         # numpy's import reads NUMPY_MADVISE_HUGEPAGE; OMP_* is read by native code at load
         "env": probe(tmp_path, "env", "0", server_socket, NUMPY_MADVISE_HUGEPAGE="0"),
         "native": probe(tmp_path, "native", "0", server_socket, OMP_THREAD_LIMIT="1"),
-        "module": ManagedProcess("module", [sys.executable, "-m", "json.tool", "--help"], log_path=tmp_path / "m.log",
-                                 env={WARM_START_ENV: server_socket}),
-        "missing cwd": ManagedProcess("cwd", [sys.executable, "-m", PROBE, "x", "0"], cwd=tmp_path / "nowhere",
-                                      log_path=tmp_path / "c.log", env={WARM_START_ENV: server_socket}),
+        "module": ManagedProcess(
+            "module",
+            [sys.executable, "-m", "json.tool", "--help"],
+            log_path=tmp_path / "m.log",
+            env={WARM_START_ENV: server_socket},
+        ),
+        "missing cwd": ManagedProcess(
+            "cwd",
+            [sys.executable, "-m", PROBE, "x", "0"],
+            cwd=tmp_path / "nowhere",
+            log_path=tmp_path / "c.log",
+            env={WARM_START_ENV: server_socket},
+        ),
     }
     off = probe(tmp_path, "off", "0", "off").start()  # MILES_WARM_START=off: no server is asked
     assert not isinstance(off._popen, WarmChild) and off._popen.wait(60) == 0
@@ -182,8 +197,14 @@ def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, serv
     good = {"argv": [sys.executable, "-m", PROBE], "env": {}, "cwd": str(REPO), "log_path": "/dev/null"}
     malformed = [b"not json\n", b'{"argv": 3}\n', b"[]\n", b"\xff\n"] + [
         json.dumps({**good, field: value}).encode() + b"\n"
-        for field, value in (("env", "x"), ("env", {"A": 1}), ("argv", []), ("argv", [1]), ("cwd", None),
-                             ("log_path", 3))
+        for field, value in (
+            ("env", "x"),
+            ("env", {"A": 1}),
+            ("argv", []),
+            ("argv", [1]),
+            ("cwd", None),
+            ("log_path", 3),
+        )
     ]
     for garbage in malformed:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -197,11 +218,25 @@ def test_a_malformed_request_is_answered_and_the_server_serves_on(tmp_path, serv
 
 def through_warm_exec(tmp_path: Path, name: str, code: str, warm_socket: str) -> subprocess.Popen:
     """The probe's command behind `python -m miles_runner.procs.warm_exec`, with pipes, as a test starts a run."""
-    command = [sys.executable, "-m", "miles_runner.procs.warm_exec", sys.executable, "-m", PROBE,
-               str(tmp_path / f"{name}.json"), code]  # fmt: skip
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO,
-                            env={**os.environ, WARM_START_ENV: warm_socket})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "miles_runner.procs.warm_exec",
+        sys.executable,
+        "-m",
+        PROBE,
+        str(tmp_path / f"{name}.json"),
+        code,
+    ]
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, WARM_START_ENV: warm_socket},
+    )
 
 
 def test_warm_exec_runs_the_command_warm_with_its_own_pipes_and_exit_code(tmp_path, server_socket):
@@ -239,8 +274,7 @@ def test_warm_exec_without_a_server_becomes_its_command(tmp_path):
 
 
 def test_a_request_without_its_log_path_must_bring_three_descriptors(server_socket):
-    request = {"argv": [sys.executable, "-m", PROBE, "/dev/null", "0"], "env": {}, "cwd": str(REPO),
-               "log_path": None}  # fmt: skip
+    request = {"argv": [sys.executable, "-m", PROBE, "/dev/null", "0"], "env": {}, "cwd": str(REPO), "log_path": None}
     for fds in ([], [0]):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(server_socket)

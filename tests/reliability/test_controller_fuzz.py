@@ -41,13 +41,39 @@ def controller_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     (folder / "adapters" / "math.yaml").write_text("task: reverse\nrank: 4\n")
     engine = ThreadedServer(abort_taker()).start()
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.multi_lora.http_server", "--host", "127.0.0.1", "--port", str(port),
-            "--max-slots", "4", "--max-lora-rank", "8", "--target-modules", "q_proj", "v_proj",
-            "--engine-urls", engine.url, "--save-root", str(folder), "--adapters-dir", str(folder / "adapters"),
-            "--api-key-env", KEY_ENV]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.multi_lora.http_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-slots",
+        "4",
+        "--max-lora-rank",
+        "8",
+        "--target-modules",
+        "q_proj",
+        "v_proj",
+        "--engine-urls",
+        engine.url,
+        "--save-root",
+        str(folder),
+        "--adapters-dir",
+        str(folder / "adapters"),
+        "--api-key-env",
+        KEY_ENV,
+    ]
     url = f"http://127.0.0.1:{port}"
-    process = ManagedProcess("controller", argv, env={KEY_ENV: KEY}, log_path=Path(folder) / "controller.log",
-                             health_url=f"{url}/health", startup_timeout_s=60)  # fmt: skip
+    process = ManagedProcess(
+        "controller",
+        argv,
+        env={KEY_ENV: KEY},
+        log_path=Path(folder) / "controller.log",
+        health_url=f"{url}/health",
+        startup_timeout_s=60,
+    )
     with process:
         yield url
     engine.stop()

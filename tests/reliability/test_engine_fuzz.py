@@ -35,12 +35,16 @@ def keyed_engine(tmp_path_factory, monkeypatch_module) -> Iterator[EngineProcess
 
     monkeypatch_module.setenv(KEY_ENV, KEY)
     process = start_engine(
-        ensure_tiny_model("tiny-dense"), tmp_path_factory.mktemp("fuzz") / "engine.log",
-        "--api-key-env", KEY_ENV, "--enable-lora", "--context-length", "64",
-    )  # fmt: skip
+        ensure_tiny_model("tiny-dense"),
+        tmp_path_factory.mktemp("fuzz") / "engine.log",
+        "--api-key-env",
+        KEY_ENV,
+        "--enable-lora",
+        "--context-length",
+        "64",
+    )
     yield process
     process.stop()
-
 
 
 def _operations(url: str) -> list[str]:

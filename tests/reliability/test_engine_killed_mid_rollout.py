@@ -39,10 +39,20 @@ KILLED_ROLLOUT = 1  # the rollout of step 1: checkpoint step_1 is on disk by the
 # The plain (not format pre-trained) tiny model: its answers seldom end before max_response_len, so the cut rollout
 # runs 64 decode steps. The format pre-trained one answered in a few tokens: a whole rollout once took 23 ms and
 # ended between two polls of the engine's running requests.
-BASE = ("+recipe=tiny_lora_agentic", "model.path=tiny:tiny-moe", "session=off", "rollout.task=arith",
-        "rollout.reward=exact_match", "rollout.max_turns=1", "rollout.rollout_batch_size=2",
-        "rollout.n_samples_per_prompt=4", "rollout.max_response_len=64", f"algorithm.num_steps={STEPS}",
-        "checkpoint.interval=1", "logger=none")  # fmt: skip
+BASE = (
+    "+recipe=tiny_lora_agentic",
+    "model.path=tiny:tiny-moe",
+    "session=off",
+    "rollout.task=arith",
+    "rollout.reward=exact_match",
+    "rollout.max_turns=1",
+    "rollout.rollout_batch_size=2",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_response_len=64",
+    f"algorithm.num_steps={STEPS}",
+    "checkpoint.interval=1",
+    "logger=none",
+)
 
 
 class KillEngineMidRollout(SingleAdapterLoop):
@@ -89,9 +99,11 @@ class KillEngineMidRollout(SingleAdapterLoop):
 def checkpoint_bytes(run_dir: Path) -> dict[str, str]:
     """sha256 of every file of the newest checkpoint, by path under the checkpoints folder."""
     newest = checkpoint_dir(run_dir) / f"step_{completed_steps(run_dir)[-1]}"
-    return {str(f.relative_to(checkpoint_dir(run_dir))): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(newest.rglob("*")) if f.is_file()}  # fmt: skip
-
+    return {
+        str(f.relative_to(checkpoint_dir(run_dir))): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(newest.rglob("*"))
+        if f.is_file()
+    }
 
 
 def gone(pid: int) -> bool:

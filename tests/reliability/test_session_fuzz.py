@@ -30,14 +30,29 @@ MAX_EXAMPLES = 10
 def session_server(tmp_path_factory):
     model_dir = ensure_tiny_model("tiny-moe")
     port = free_port()
-    argv = [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+    ]
     log = tmp_path_factory.mktemp("session-fuzz") / "engine.log"
     engine = start_engine(argv, port=port, log_path=log, timeout_s=300)
     config = SessionServerConfig(
-        engine_url=f"http://127.0.0.1:{port}", model_path=str(model_dir), api_key=KEY, upstream_api_key=KEY,
-        upstream_timeout_s=30, max_sessions=64,
-    )  # fmt: skip
+        engine_url=f"http://127.0.0.1:{port}",
+        model_path=str(model_dir),
+        api_key=KEY,
+        upstream_api_key=KEY,
+        upstream_timeout_s=30,
+        max_sessions=64,
+    )
     server = ThreadedServer(create_app(config)).start()
     yield server
     server.stop()
@@ -55,9 +70,12 @@ def test_fuzzing_one_live_session_finds_no_server_error_and_no_schema_violation(
     auth = {"Authorization": f"Bearer {KEY}"}
     session_id = httpx.post(f"{session_server.url}/sessions", headers=auth).json()["session_id"]
     summary = fuzz_openapi(
-        session_server.url, token=KEY, max_examples=MAX_EXAMPLES, parameters={"path.session_id": session_id},
+        session_server.url,
+        token=KEY,
+        max_examples=MAX_EXAMPLES,
+        parameters={"path.session_id": session_id},
         exclude=("DELETE /sessions/{session_id}",),
-    )  # fmt: skip
+    )
     print(f"\nsession server, one live session: {summary.counts()}")
     assert_clean(summary, min_requests=100)
     assert summary.statuses[200] > 0  # the live session answered, not only 404s

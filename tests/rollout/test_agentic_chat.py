@@ -22,9 +22,14 @@ SAMPLING = {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5}
 
 
 def completion(finish_reason: str) -> dict:
-    return {"id": "turn-1", "object": "chat.completion", "created": 1, "model": "default",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "3"}, "finish_reason": finish_reason}],
-            "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21}}  # fmt: skip
+    return {
+        "id": "turn-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "default",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "3"}, "finish_reason": finish_reason}],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21},
+    }
 
 
 def recording_client(finish_reason: str = "stop") -> tuple[openai.AsyncOpenAI, list[tuple[str, str, dict]]]:
@@ -41,8 +46,9 @@ def recording_client(finish_reason: str = "stop") -> tuple[openai.AsyncOpenAI, l
 async def test_a_turn_sends_exactly_what_chat_completions_create_sends():
     client, sent = recording_client()
     reply = await chat_fn(SimpleNamespace(sampling_params=lambda: SAMPLING), client)(MESSAGES)
-    await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=8, temperature=0.7, top_p=0.9,
-                                         extra_body={"top_k": 5})  # fmt: skip
+    await client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=8, temperature=0.7, top_p=0.9, extra_body={"top_k": 5}
+    )
     assert reply == "3"
     ours, sdk = sent
     assert ours == sdk and ours[:2] == ("POST", "/sessions/s1/v1/chat/completions")

@@ -53,19 +53,35 @@ def engines(plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     ports = {label: free_port() for label in LABELS}
     with ProcessGroup() as group:
         processes = [
-            group.adopt(engine_process(engine_argv(plan, port, label), port=port, log_path=logs / f"{label}.log",
-                                       timeout_s=300).start())
+            group.adopt(
+                engine_process(
+                    engine_argv(plan, port, label), port=port, log_path=logs / f"{label}.log", timeout_s=300
+                ).start()
+            )
             for label, port in ports.items()
-        ]  # fmt: skip
+        ]
         for process in processes:  # started together, so their start-ups overlap
             process.wait_healthy()
         yield {label: f"http://{LOOPBACK}:{port}" for label, port in ports.items()}
 
 
 def engine_argv(plan: Plan, port: int, label: str) -> list[str]:
-    return [sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", plan.model_path, "--host", LOOPBACK,
-            "--port", str(port), "--random-seed", str(plan.seed), "--weight-version", label,
-            "--enable-return-routed-experts"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        plan.model_path,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--random-seed",
+        str(plan.seed),
+        "--weight-version",
+        label,
+        "--enable-return-routed-experts",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +132,11 @@ def test_behind_the_router_every_sample_keeps_one_r3_row_per_token_equal_to_a_di
 
 def direct_routing(engine_url: str, input_ids: list[int], num_layers: int):
     """The routing of every token but the last, from one greedy token straight to the engine (the reference)."""
-    payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-               "return_routed_experts": True}  # fmt: skip
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_routed_experts": True,
+    }
     reply = httpx.post(f"{engine_url}/generate", json=payload, timeout=120, trust_env=False)
     reply.raise_for_status()
     return decode_routed_experts(reply.json()["meta_info"]["routed_experts"], len(input_ids), num_layers)

@@ -28,8 +28,7 @@ def test_single_turn_samples_are_grouped_and_consistent(tiny_model, tokenizer):
 
 
 def test_multi_turn_samples_mask_the_environment_turns(tiny_model, tokenizer):
-    _, samples = _samples(tiny_model, tokenizer, "guess_number", "guess_number", 2, 2,
-                          SamplingSettings(4, max_turns=3))
+    _, samples = _samples(tiny_model, tokenizer, "guess_number", "guess_number", 2, 2, SamplingSettings(4, max_turns=3))
     multi = [s for s in samples if s.metadata["turns"] > 1]
     assert multi, "an untrained model misses the number on its first try"
     for s in multi:

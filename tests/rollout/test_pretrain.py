@@ -19,8 +19,12 @@ def test_random_transcript_plays_the_environment_until_it_ends():
 
 
 def test_only_assistant_replies_and_their_end_token_are_trained(tokenizer):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "42"},
-                {"role": "user", "content": "Lower."}, {"role": "assistant", "content": "7"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "Lower."},
+        {"role": "assistant", "content": "7"},
+    ]
     ids, mask = transcript_tokens(tokenizer, messages)
     trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained == "42<|im_end|>7<|im_end|>"

@@ -49,11 +49,21 @@ def start_embedded_engine(
 ) -> tuple[ManagedProcess, str]:
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.embedded_engine",
-        "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--enable-return-routed-experts", "--enable-lora",
-        "--lora-paths", f"{ADAPTER_NAME}={adapter_dir}", f"{SLOT_NAME}={adapter_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-return-routed-experts",
+        "--enable-lora",
+        "--lora-paths",
+        f"{ADAPTER_NAME}={adapter_dir}",
+        f"{SLOT_NAME}={adapter_dir}",
+    ]
     if api_key:
         argv += ["--api-key", api_key]
     process = start_engine(argv, port=port, log_path=log_dir / "engine.log", timeout_s=300)
@@ -128,8 +138,9 @@ class RandomFaultUpstream:
                 return PlainTextResponse("injected fault: overloaded", status_code=503)
             if fault == "bad_json_200":
                 return Response(b'{"text": "injected fault', media_type="application/json")
-            upstream = await http.request(request.method, f"/{path}", content=await request.body(),
-                                          headers={"content-type": "application/json"})  # fmt: skip
+            upstream = await http.request(
+                request.method, f"/{path}", content=await request.body(), headers={"content-type": "application/json"}
+            )
             if fault == "reply_lost":  # the engine generated, the reply never arrived
                 return JSONResponse({"error": {"message": "injected fault: reply lost"}}, status_code=502)
             if fault == "no_meta_info_200":

@@ -42,10 +42,16 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     ports = {label: free_port() for label in ENGINE_LABELS}
     with ProcessGroup() as group:
         processes = [
-            group.adopt(engine_process(engine_argv(tiny_model_dir, adapter, port, label), port=port,
-                                       log_path=logs / f"{label}.log", timeout_s=300).start())
+            group.adopt(
+                engine_process(
+                    engine_argv(tiny_model_dir, adapter, port, label),
+                    port=port,
+                    log_path=logs / f"{label}.log",
+                    timeout_s=300,
+                ).start()
+            )
             for label, port in ports.items()
-        ]  # fmt: skip
+        ]
         for process in processes:  # started together, so their start-ups overlap
             process.wait_healthy()
         yield {label: f"http://127.0.0.1:{port}" for label, port in ports.items()}
@@ -53,10 +59,22 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def engine_argv(model_dir: Path, adapter: Path, port: int, label: str) -> list[str]:
     return [
-        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--weight-version", label,
-        "--enable-return-routed-experts", "--enable-lora", "--lora-paths", f"{ADAPTER_NAME}={adapter}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--weight-version",
+        label,
+        "--enable-return-routed-experts",
+        "--enable-lora",
+        "--lora-paths",
+        f"{ADAPTER_NAME}={adapter}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +191,12 @@ def test_the_router_drops_the_r3_request_fields_which_is_why_turns_bypass_it(rou
     carry R3 through /generate, this fails and the direct path can be reconsidered."""
     view, _ = sessions[0]
     prompt = view["records"][0]["request"]["input_ids"]
-    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-               "return_logprob": True, "return_routed_experts": True}  # fmt: skip
+    payload = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True,
+        "return_routed_experts": True,
+    }
     through_router = httpx.post(f"{router_url}/generate", json=payload, timeout=120, trust_env=False).json()
     direct = httpx.post(f"{engines['engine-a']}/generate", json=payload, timeout=120, trust_env=False).json()
     assert "routed_experts" in direct["meta_info"]

@@ -102,20 +102,29 @@ def replay_once(server, replayed_few_shot: dict) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def v1_servers(engine_url, start_session_server):
-    return {name: start_session_server(engine_url, message_matcher=name)
-            for name in ("strict", "loose_tool_call", "role_content_only")}  # fmt: skip
+    return {
+        name: start_session_server(engine_url, message_matcher=name)
+        for name in ("strict", "loose_tool_call", "role_content_only")
+    }
 
 
 @pytest.fixture(scope="module")
 def v2_servers(engine_url, start_session_server):
-    return {name: start_session_server(engine_url, version="v2", message_matcher=name)
-            for name in ("strict", "loose_tool_call")}  # fmt: skip
+    return {
+        name: start_session_server(engine_url, version="v2", message_matcher=name)
+        for name in ("strict", "loose_tool_call")
+    }
 
 
-@pytest.mark.parametrize(("matcher", "replay", "kept"), [
-    ("strict", REPLAYED, False), ("loose_tool_call", REPLAYED, True),
-    ("loose_tool_call", OTHER_CALL, False), ("role_content_only", OTHER_CALL, True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("matcher", "replay", "kept"),
+    [
+        ("strict", REPLAYED, False),
+        ("loose_tool_call", REPLAYED, True),
+        ("loose_tool_call", OTHER_CALL, False),
+        ("role_content_only", OTHER_CALL, True),
+    ],
+)
 def test_v1_keeps_the_checkpoint_only_when_the_matcher_accepts_the_replay(v1_servers, matcher, replay, kept):
     server = v1_servers[matcher]
     session_id, session = replay_once(server, replay)

@@ -17,8 +17,9 @@ def test_text_parts_are_joined_into_one_string():
 def test_tool_call_arguments_keep_their_wire_spelling_and_lose_the_stream_index():
     call = {"id": "c1", "type": "function", "index": 0, "function": {"name": "add", "arguments": '{"a": 1}'}}
     normalized = normalize_message({"role": "assistant", "content": None, "tool_calls": [call]})
-    assert normalized["tool_calls"] == [{"id": "c1", "type": "function",
-                                         "function": {"name": "add", "arguments": '{"a": 1}'}}]  # fmt: skip
+    assert normalized["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    ]
 
 
 def test_the_template_sees_json_text_arguments_as_objects():

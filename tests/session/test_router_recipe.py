@@ -27,11 +27,23 @@ ENGINES = 2
 
 
 def test_the_router_recipe_runs_learns_and_spreads_sessions_over_both_engines(tmp_path):
-    args = ["+recipe=tiny_lora_agentic_router", f"run.output_root={tmp_path}", "logger=none", LEARNING_RUN,
-            f"engine.base_port={free_port_block(ENGINES)}", f"session.port={free_port()}",
-            f"router.port={free_port()}", f"router.metrics_port={free_port()}"]  # fmt: skip
-    done = subprocess.run(runner_command("miles_runner.cli.main", *args), capture_output=True, text=True,
-                          timeout=2350, env={**os.environ, "WANDB_MODE": "disabled"})  # fmt: skip
+    args = [
+        "+recipe=tiny_lora_agentic_router",
+        f"run.output_root={tmp_path}",
+        "logger=none",
+        LEARNING_RUN,
+        f"engine.base_port={free_port_block(ENGINES)}",
+        f"session.port={free_port()}",
+        f"router.port={free_port()}",
+        f"router.metrics_port={free_port()}",
+    ]
+    done = subprocess.run(
+        runner_command("miles_runner.cli.main", *args),
+        capture_output=True,
+        text=True,
+        timeout=2350,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [run_dir] = {path.parent for path in tmp_path.rglob("plan.yaml")}
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

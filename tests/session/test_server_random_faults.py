@@ -60,5 +60,7 @@ async def test_no_record_is_lost_and_every_failure_is_clean_under_random_upstrea
             assert reply.json()["error"]
     answered_turns = sum(len(answered) for answered, _ in outcomes)
     assert answered_turns + len(failures) == SESSIONS * TURNS
-    print(f"\n{answered_turns} turns recorded, {len(failures)} clean failures {dict(statuses)}, "
-          f"faults injected {dict(upstream.injected)}")  # fmt: skip
+    print(
+        f"\n{answered_turns} turns recorded, {len(failures)} clean failures {dict(statuses)}, "
+        f"faults injected {dict(upstream.injected)}"
+    )

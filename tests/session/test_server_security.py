@@ -14,11 +14,20 @@ RUN_KEY = "run-key-7c1f"
 # Engine routes an agent must not reach through a session (control, weights, adapters, unrecorded generation,
 # the engine's configuration with its keys), each with the method SGLang serves it under.
 NOT_PROXIED = [
-    ("POST", "pause_generation"), ("POST", "continue_generation"), ("POST", "abort_request"),
-    ("POST", "load_lora_adapter"), ("POST", "unload_lora_adapter"), ("POST", "update_weights_from_disk"),
-    ("POST", "update_weight_version"), ("POST", "init_weights_update_group"), ("POST", "flush_cache"),
-    ("POST", "generate"), ("POST", "v1/completions"), ("GET", "server_info"), ("GET", "get_server_info"),
-]  # fmt: skip
+    ("POST", "pause_generation"),
+    ("POST", "continue_generation"),
+    ("POST", "abort_request"),
+    ("POST", "load_lora_adapter"),
+    ("POST", "unload_lora_adapter"),
+    ("POST", "update_weights_from_disk"),
+    ("POST", "update_weight_version"),
+    ("POST", "init_weights_update_group"),
+    ("POST", "flush_cache"),
+    ("POST", "generate"),
+    ("POST", "v1/completions"),
+    ("GET", "server_info"),
+    ("GET", "get_server_info"),
+]
 
 
 @pytest.fixture(scope="module")

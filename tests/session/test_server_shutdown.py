@@ -29,8 +29,21 @@ LONG_TURN = {
 def start_server(upstream_url: str, model_dir, log_path) -> tuple[ManagedProcess, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "miles_runner.session.server", "--engine-url", upstream_url, "--model-path",
-            str(model_dir), "--port", str(port), "--upstream-timeout", "600", "--log-level", "info"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_runner.session.server",
+        "--engine-url",
+        upstream_url,
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--upstream-timeout",
+        "600",
+        "--log-level",
+        "info",
+    ]
     process = ManagedProcess(
         "session-server", argv, log_path=log_path, health_url=f"{url}/health", startup_timeout_s=120
     )

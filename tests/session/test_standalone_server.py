@@ -14,9 +14,22 @@ pytestmark = pytest.mark.integration
 
 def test_cli_flags_map_onto_the_config():
     args = build_parser().parse_args(
-        ["--engine-url", "http://127.0.0.1:1", "--model-path", "m", "--port", "7", "--version", "v2",
-         "--lora-name", "miles_lora", "--addition-r3", "--api-key", "k"]
-    )  # fmt: skip
+        [
+            "--engine-url",
+            "http://127.0.0.1:1",
+            "--model-path",
+            "m",
+            "--port",
+            "7",
+            "--version",
+            "v2",
+            "--lora-name",
+            "miles_lora",
+            "--addition-r3",
+            "--api-key",
+            "k",
+        ]
+    )
     config = config_from_args(args)
     assert (config.version, config.lora_name, config.upstream_api_key) == ("v2", "miles_lora", "k")
     assert config.use_addition_r3 and config.return_routed_experts

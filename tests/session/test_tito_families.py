@@ -73,8 +73,9 @@ def test_qwen3_allows_appending_an_assistant_message_and_default_does_not(qwen3,
 
 def test_qwen3_pins_clear_thinking_off(qwen3):
     history = [SYSTEM, USER, {**ANSWER, "reasoning_content": "3 + 4"}, {"role": "user", "content": "Thanks"}]
-    assert "<think>\n3 + 4\n</think>" in qwen3.render(history, tools=None, add_generation_prompt=False,
-                                                     template_kwargs={})  # fmt: skip
+    assert "<think>\n3 + 4\n</think>" in qwen3.render(
+        history, tools=None, add_generation_prompt=False, template_kwargs={}
+    )
     with pytest.raises(MessageValidationError, match="clear_thinking=True conflicts with tito_model qwen3"):
         qwen3.first_turn_ids([SYSTEM, USER], None, {"clear_thinking": True})
 
@@ -94,8 +95,9 @@ def test_glm47_keeps_a_stored_turn_that_ends_otherwise(glm_shaped):
 
 
 def test_a_family_whose_tokens_the_model_lacks_stops_the_server_at_start(tiny_model_dir, engine_url):
-    config = SessionServerConfig(engine_url=engine_url, model_path=str(tiny_model_dir), tito_model="glm47",
-                                 max_trim_tokens=1)  # fmt: skip
+    config = SessionServerConfig(
+        engine_url=engine_url, model_path=str(tiny_model_dir), tito_model="glm47", max_trim_tokens=1
+    )
     with pytest.raises(ValueError, match=r"tito_model glm47 needs the tokens \['<\|user\|>'"):
         create_app(config)
 
@@ -121,8 +123,9 @@ def tool_turn_suffix(server, tokenizer) -> str:
     answer = {"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]}
     assert chat(server, session_id, [SYSTEM, USER, answer, TOOL]).status_code == 200
     first, second = get_session(server, session_id)["records"]
-    stored = first["request"]["input_ids"] + [t[1] for t in first["response"]["choices"][0]["meta_info"][
-        "output_token_logprobs"]]  # fmt: skip
+    stored = first["request"]["input_ids"] + [
+        t[1] for t in first["response"]["choices"][0]["meta_info"]["output_token_logprobs"]
+    ]
     assert second["request"]["input_ids"][: len(stored)] == stored
     return tokenizer.decode(second["request"]["input_ids"][len(stored) :]), stored
 
@@ -145,8 +148,18 @@ def test_the_qwen3_server_refuses_a_request_that_unpins_its_kwargs(family_server
 
 
 def server_argv(engine_url: str, model_dir, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "miles_runner.session.server", "--engine-url", engine_url,
-            "--model-path", str(model_dir), "--port", str(port), *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "miles_runner.session.server",
+        "--engine-url",
+        engine_url,
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        *flags,
+    ]
 
 
 def test_the_standalone_server_exits_at_start_for_a_family_its_model_cannot_serve(engine_url, tiny_model_dir):
@@ -158,9 +171,13 @@ def test_the_standalone_server_exits_at_start_for_a_family_its_model_cannot_serv
 
 def test_the_standalone_server_warns_at_start_that_default_is_best_effort(engine_url, tiny_model_dir, tmp_path):
     port = free_port()
-    process = ManagedProcess("session-server", server_argv(engine_url, tiny_model_dir, port),
-                             log_path=tmp_path / "session.log", health_url=f"http://127.0.0.1:{port}/health",
-                             startup_timeout_s=120)  # fmt: skip
+    process = ManagedProcess(
+        "session-server",
+        server_argv(engine_url, tiny_model_dir, port),
+        log_path=tmp_path / "session.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        startup_timeout_s=120,
+    )
     with process:
         assert "tito_model default: the model's own chat template" in (tmp_path / "session.log").read_text()
 

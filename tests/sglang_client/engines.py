@@ -15,9 +15,14 @@ TEST_ENV = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "RAY_ENABLE_WINDOWS_
 def plain_engine_argv(model_dir: Path, port: int, *extra: str) -> list[str]:
     """An embedded engine without LoRA: what the router tests put behind the router."""
     return [
-        sys.executable, "-m", EMBEDDED,
-        "--model-path", str(model_dir),
-        "--host", LOOPBACK,
-        "--port", str(port),
+        sys.executable,
+        "-m",
+        EMBEDDED,
+        "--model-path",
+        str(model_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
         *extra,
-    ]  # fmt: skip
+    ]

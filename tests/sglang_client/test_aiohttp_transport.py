@@ -128,7 +128,7 @@ async def test_connection_dropped_before_the_answer_is_unavailable() -> None:
 async def test_body_cut_short_is_unavailable() -> None:
     async def truncate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"te")
+        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"te')
         await writer.drain()
 
     async with FaultServer(truncate) as url, EngineClient(url) as client:

@@ -27,8 +27,12 @@ def test_chat_sampling_fields_take_sglangs_generate_names():
     body = generate_body({**CHAT, "max_tokens": 4, "seed": 3, "min_tokens": 1, "stop": ["\n"], "temperature": 0.5})
     assert body["input_ids"] == [5, 6, 7]
     assert body["sampling_params"] == {
-        "max_new_tokens": 4, "sampling_seed": 3, "min_new_tokens": 1, "stop": ["\n"], "temperature": 0.5,
-    }  # fmt: skip
+        "max_new_tokens": 4,
+        "sampling_seed": 3,
+        "min_new_tokens": 1,
+        "stop": ["\n"],
+        "temperature": 0.5,
+    }
     assert body["return_text_in_logprobs"] is True and body["stream"] is False
 
 
@@ -46,8 +50,16 @@ def test_model_defaults_fill_only_what_the_request_leaves_unset():
 
 
 def test_rl_fields_are_carried_at_the_top_level():
-    chat = {**CHAT, "logprobs": True, "top_logprobs": 2, "return_routed_experts": True,
-            "routed_experts_start_len": 4, "lora_path": "slot", "rid": "a::1", "extra_key": "a:v1"}  # fmt: skip
+    chat = {
+        **CHAT,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_routed_experts": True,
+        "routed_experts_start_len": 4,
+        "lora_path": "slot",
+        "rid": "a::1",
+        "extra_key": "a:v1",
+    }
     body = generate_body(chat)
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
     assert (body["return_routed_experts"], body["routed_experts_start_len"]) == (True, 4)
@@ -60,9 +72,13 @@ def test_the_adapter_named_in_model_wins_as_in_sglang():
 
 @pytest.mark.parametrize(
     "extra, named",
-    [({"response_format": {"type": "json_object"}}, "response_format"), ({"stream": True}, "stream"),
-     ({"tool_choice": "required"}, "tool_choice"), ({"return_token_ids": True}, "return_token_ids")],
-)  # fmt: skip
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream": True}, "stream"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"return_token_ids": True}, "return_token_ids"),
+    ],
+)
 def test_fields_it_cannot_carry_are_refused_by_name(extra, named):
     assert unsupported_chat_fields({**CHAT, **extra}) == [named]
     with pytest.raises(ValueError, match=named):

@@ -87,14 +87,20 @@ def test_every_embedded_route_is_an_sglang_route_or_the_listed_fork_route(embedd
 
 
 def test_embedded_routes_take_the_methods_sglang_takes(embedded_routes, sglang_routes):
-    differ = {p: (sorted(e.methods), s.methods) for p, e, s in _shared(embedded_routes, sglang_routes)
-              if e.methods != set(s.methods)}  # fmt: skip
+    differ = {
+        p: (sorted(e.methods), s.methods)
+        for p, e, s in _shared(embedded_routes, sglang_routes)
+        if e.methods != set(s.methods)
+    }
     assert differ == {}
 
 
 def test_embedded_routes_need_a_body_exactly_where_sglang_does(embedded_routes, sglang_routes):
-    differ = {p: (e.body_required, s.body_required) for p, e, s in _shared(embedded_routes, sglang_routes)
-              if e.body_required != s.body_required}  # fmt: skip
+    differ = {
+        p: (e.body_required, s.body_required)
+        for p, e, s in _shared(embedded_routes, sglang_routes)
+        if e.body_required != s.body_required
+    }
     assert differ == {}
 
 
@@ -166,8 +172,15 @@ def _json_kinds(annotation: Any) -> set[str] | None:
         return None if None in kinds else set().union(*kinds)
     if origin is Literal:
         return {"null" if v is None else "str" if isinstance(v, str) else "bool" for v in args}
-    scalar = {type(None): {"null"}, str: {"str"}, bool: {"bool"}, int: {"int"}, float: {"int", "float"},
-              list: {"array"}, dict: {"object"}}  # fmt: skip
+    scalar = {
+        type(None): {"null"},
+        str: {"str"},
+        bool: {"bool"},
+        int: {"int"},
+        float: {"int", "float"},
+        list: {"array"},
+        dict: {"object"},
+    }
     base = origin or annotation
     if base in scalar:
         return scalar[base]
@@ -235,8 +248,12 @@ async def test_lora_tensors_load_when_their_checksums_match_and_are_refused_when
 
 
 def _tensors_body(name: str, config: dict, tensors: dict, checksums: dict) -> dict:
-    return {"lora_name": name, "config_dict": config, "serialized_named_tensors": [serialize_lora_tensors(tensors)],
-            "expected_checksums": checksums}  # fmt: skip
+    return {
+        "lora_name": name,
+        "config_dict": config,
+        "serialized_named_tensors": [serialize_lora_tensors(tensors)],
+        "expected_checksums": checksums,
+    }
 
 
 def _adapter(path: Path) -> tuple[dict, dict]:
@@ -264,8 +281,14 @@ async def test_served_as_stock_the_fork_route_is_a_404_and_the_prefix_field_is_d
     async with EngineClient(stock_engine_url, timeout_s=120) as client:
         assert (await client.request("POST", LORA_BROADCAST_ROUTE, json={})).status_code == 404
         target = ContractTarget(
-            client, tiny_moe_dir, CONTRACT_ADAPTER, contract_adapter, lora_wire=serialize_lora_tensors,
-            weights_wire=serialize_lora_tensors, long_tokens=EMBEDDED_LONG_TOKENS, build=STOCK,
-        )  # fmt: skip
+            client,
+            tiny_moe_dir,
+            CONTRACT_ADAPTER,
+            contract_adapter,
+            lora_wire=serialize_lora_tensors,
+            weights_wire=serialize_lora_tensors,
+            long_tokens=EMBEDDED_LONG_TOKENS,
+            build=STOCK,
+        )
         facts = await abort_by_prefix_aborts_every_match(target)
     assert facts == {"prefix": "dropped (stock)"}

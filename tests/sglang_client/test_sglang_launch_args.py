@@ -16,10 +16,17 @@ pytestmark = pytest.mark.integration
 
 GPU = ["cluster=gpu_1x", "engine=sglang"]
 GPU_SETTINGS = [
-    *GPU, "engine.mem_fraction_static=0.7", "engine.dp_attention=true", "engine.enable_cuda_graph=false",
-    "engine.fp8_rollout=true", "engine.lora_backend=csgmv", "engine.extra_args=[--max-running-requests,16]",
-    "adapters.base_cpu_backup=true", "rollout.routing_replay=true", "engine.ep_size=1",
-]  # fmt: skip
+    *GPU,
+    "engine.mem_fraction_static=0.7",
+    "engine.dp_attention=true",
+    "engine.enable_cuda_graph=false",
+    "engine.fp8_rollout=true",
+    "engine.lora_backend=csgmv",
+    "engine.extra_args=[--max-running-requests,16]",
+    "adapters.base_cpu_backup=true",
+    "rollout.routing_replay=true",
+    "engine.ep_size=1",
+]
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
@@ -63,8 +70,9 @@ def test_an_engine_wider_than_a_node_runs_sglangs_command_once_per_node_with_its
     for e in plan.engines:
         launches = [e.launch, *(r.launch for r in e.node_ranks)]
         assert [launch.node for launch in launches] == e.nodes  # rank R on the R-th node the engine spans
-        assert {flag(launch.argv, "--dist-init-addr") for launch in launches} == {f"{{node{e.nodes[0]}}}:"
-                                                                                 f"{30200 + 10 * e.index}"}
+        assert {flag(launch.argv, "--dist-init-addr") for launch in launches} == {
+            f"{{node{e.nodes[0]}}}:{30200 + 10 * e.index}"
+        }
         for rank, launch in enumerate(launches):
             assert set(flags_of(launch.argv)) <= sglang_flags
             assert (flag(launch.argv, "--nnodes"), flag(launch.argv, "--node-rank")) == ("2", str(rank))
@@ -89,8 +97,12 @@ def test_each_gpu_engine_setting_reaches_the_sglang_command_line(sglang_flags):
     assert argv[argv.index("--quantization") + 1] == "fp8"
     assert argv[argv.index("--lora-backend") + 1] == "csgmv"
     assert argv[argv.index("--max-running-requests") + 1] == "16"
-    expected = {"--enable-dp-attention", "--disable-cuda-graph", "--enable-weights-cpu-backup",
-                "--enable-return-routed-experts"}  # fmt: skip
+    expected = {
+        "--enable-dp-attention",
+        "--disable-cuda-graph",
+        "--enable-weights-cpu-backup",
+        "--enable-return-routed-experts",
+    }
     assert expected <= set(argv)
 
 

@@ -23,9 +23,15 @@ pytestmark = pytest.mark.skipif(not tensor_shm.shared_memory_available(), reason
 def mixed() -> dict[str, torch.Tensor]:
     """Every dtype kind, odd sizes (a bool before an int64 leaves the int64 unaligned), a scalar, an empty one."""
     torch.manual_seed(0)
-    return {"w": torch.randn(3, 5), "flag": torch.tensor([True, False, True]), "ids": torch.arange(7),
-            "half": torch.randn(4).to(torch.bfloat16), "scalar": torch.tensor(2.5, dtype=torch.float64),
-            "empty": torch.zeros(0, 3), "small": torch.tensor([-3, 4], dtype=torch.int8)}  # fmt: skip
+    return {
+        "w": torch.randn(3, 5),
+        "flag": torch.tensor([True, False, True]),
+        "ids": torch.arange(7),
+        "half": torch.randn(4).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "small": torch.tensor([-3, 4], dtype=torch.int8),
+    }
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -161,9 +167,15 @@ def test_inline_entries_still_read_as_safetensors():
 
 @pytest.mark.parametrize(
     ("url", "local"),
-    [("http://127.0.0.1:30000", True), ("http://127.0.0.5:1", True), ("http://localhost:8000/", True),
-     ("http://[::1]:9000", True), ("http://10.0.0.2:30000", False), ("http://node-3:30000", False)],
-)  # fmt: skip
+    [
+        ("http://127.0.0.1:30000", True),
+        ("http://127.0.0.5:1", True),
+        ("http://localhost:8000/", True),
+        ("http://[::1]:9000", True),
+        ("http://10.0.0.2:30000", False),
+        ("http://node-3:30000", False),
+    ],
+)
 def test_only_loopback_engines_count_as_on_this_host(url, local):
     assert on_this_host(url) is local
 
@@ -195,8 +207,11 @@ def test_a_reader_refuses_what_read_segment_refuses(tmp_path):
     empty = SHM_DIR / f"miles-tensors-{os.getpid()}-{'d' * 16}"
     empty.write_bytes(b"")
     try:
-        for name, why in [("../x", "not a tensor segment name"), (empty.name, "not a well-formed"),
-                          (f"miles-tensors-1-{'e' * 16}", "cannot be opened here")]:  # fmt: skip
+        for name, why in [
+            ("../x", "not a tensor segment name"),
+            (empty.name, "not a well-formed"),
+            (f"miles-tensors-1-{'e' * 16}", "cannot be opened here"),
+        ]:
             with pytest.raises(ValueError, match=why), reader.borrow(name):
                 pass
     finally:
@@ -217,8 +232,11 @@ def test_a_dtype_without_a_safetensors_name_is_refused_before_anything_is_writte
 
 def adapter_like() -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
-    return {"a.lora_A.weight": torch.randn(4, 16), "a.lora_B.weight": torch.randn(16, 4), "b.lora_A.weight":
-            torch.randn(4, 16)}  # fmt: skip
+    return {
+        "a.lora_A.weight": torch.randn(4, 16),
+        "a.lora_B.weight": torch.randn(16, 4),
+        "b.lora_A.weight": torch.randn(4, 16),
+    }
 
 
 def test_shared_tensors_hold_the_values_and_what_changes_in_them_is_what_an_engine_reads():

@@ -53,8 +53,15 @@ def test_the_store_listens_on_loopback_only_and_the_group_still_forms():
     port, groups = free_port(), {}
 
     def rank_0() -> None:
-        groups[0] = init_weight_update_group(backend="gloo", master_address=LOOPBACK, master_port=port, rank=0,
-                                             world_size=2, group_name="bind-test", timeout_s=60)
+        groups[0] = init_weight_update_group(
+            backend="gloo",
+            master_address=LOOPBACK,
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name="bind-test",
+            timeout_s=60,
+        )
 
     leader = threading.Thread(target=rank_0)
     leader.start()  # it waits for rank 1; its store is listening meanwhile
@@ -63,8 +70,12 @@ def test_the_store_listens_on_loopback_only_and_the_group_still_forms():
             leader.join(0.05)
         addresses = listening_addresses(port)
     finally:  # rank 1 joins in any case, so that the leader's thread ends
-        follower = subprocess.Popen([sys.executable, "-c", JOIN_AS_RANK_1, LOOPBACK, str(port)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        follower = subprocess.Popen(
+            [sys.executable, "-c", JOIN_AS_RANK_1, LOOPBACK, str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         leader.join(60)
     assert addresses == {LOOPBACK}, f"the store must listen on {LOOPBACK} only, not on every interface"
     broadcast_tensors([torch.tensor([1.0, 2.0, 3.0])], groups[0])

@@ -58,15 +58,38 @@ WIRE_GROUP = "wire_check_group"
 # The routes each capture test below must see its code path use; together they are every route EngineClient
 # calls (test_every_route_the_client_calls_is_captured_below).
 CONTRACT_ROUTES = {
-    "/generate", "/v1/chat/completions", "/abort_request", "/pause_generation", "/continue_generation",
-    "/flush_cache", "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version", "/model_info",
-    "/server_info", "/v1/models", "/health", "/health_generate",
-}  # fmt: skip
-TENSOR_SYNC_ROUTES = {"/pause_generation", "/flush_cache", "/unload_lora_adapter", "/load_lora_adapter_from_tensors",
-                      "/update_weight_version", "/continue_generation"}  # fmt: skip
-BROADCAST_ROUTES = {"/init_weights_update_group", LORA_BROADCAST_ROUTE, "/update_weights_from_distributed",
-                    "/destroy_weights_update_group"}  # fmt: skip
+    "/generate",
+    "/v1/chat/completions",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weight_version",
+    "/model_info",
+    "/server_info",
+    "/v1/models",
+    "/health",
+    "/health_generate",
+}
+TENSOR_SYNC_ROUTES = {
+    "/pause_generation",
+    "/flush_cache",
+    "/unload_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/update_weight_version",
+    "/continue_generation",
+}
+BROADCAST_ROUTES = {
+    "/init_weights_update_group",
+    LORA_BROADCAST_ROUTE,
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+}
 
 
 def _plan(*overrides: str) -> Plan:
@@ -151,11 +174,22 @@ def test_a_route_that_requires_a_body_is_refused_without_one(sglang_spec):
     "sent",
     [
         SentRequest("POST", "/abort_request", {"rid": "a::", "abort_all": False, "prefix": True}),
-        SentRequest("POST", LORA_BROADCAST_ROUTE, {"lora_name": "a", "config_dict": {}, "names": [], "dtypes": [],
-                                                   "shapes": [], "group_name": "g", "upsert": True}),
+        SentRequest(
+            "POST",
+            LORA_BROADCAST_ROUTE,
+            {
+                "lora_name": "a",
+                "config_dict": {},
+                "names": [],
+                "dtypes": [],
+                "shapes": [],
+                "group_name": "g",
+                "upsert": True,
+            },
+        ),
     ],
     ids=["abort-prefix", "lora-broadcast"],
-)  # fmt: skip
+)
 def test_fork_features_pass_only_on_the_fork_build(sglang_spec, sent):
     assert check_request(sglang_spec, sent, MILES_FORK) == []
     assert check_request(sglang_spec, sent, STOCK) != []
@@ -180,9 +214,14 @@ async def test_every_engine_client_call_of_the_contract_speaks_sglang(
 ):
     async with EngineClient(recording_proxy.url, timeout_s=120) as client:
         target = ContractTarget(
-            client, tiny_moe_dir, CONTRACT_ADAPTER, contract_adapter, lora_wire=serialize_lora_tensors,
-            weights_wire=serialize_named_tensors, long_tokens=EMBEDDED_LONG_TOKENS,
-        )  # fmt: skip
+            client,
+            tiny_moe_dir,
+            CONTRACT_ADAPTER,
+            contract_adapter,
+            lora_wire=serialize_lora_tensors,
+            weights_wire=serialize_named_tensors,
+            long_tokens=EMBEDDED_LONG_TOKENS,
+        )
         summary = await run_contract(target, WELL_FORMED_CHECKS)
     assert summary["failed"] == 0, {name: r for name, r in summary["checks"].items() if not r["ok"]}
     assert set(recording_proxy.paths()) >= CONTRACT_ROUTES
@@ -238,9 +277,15 @@ async def _broadcast_base_weights(client: EngineClient, model_dir: Path) -> None
         norm = weights.get_tensor("model.norm.weight").contiguous()
     port = free_port()
     join_here = asyncio.to_thread(
-        init_weight_update_group, backend="gloo", master_address=LOOPBACK, master_port=port, rank=0, world_size=2,
-        group_name=WIRE_GROUP, timeout_s=30,
-    )  # fmt: skip
+        init_weight_update_group,
+        backend="gloo",
+        master_address=LOOPBACK,
+        master_port=port,
+        rank=0,
+        world_size=2,
+        group_name=WIRE_GROUP,
+        timeout_s=30,
+    )
     join_there = client.init_weights_update_group(LOOPBACK, port, 1, 2, group_name=WIRE_GROUP, backend="gloo")
     group, _ = await asyncio.gather(join_here, join_there)
     try:
@@ -276,9 +321,12 @@ async def test_single_turn_rollout_requests_speak_stock_sglang(recording_proxy, 
 async def test_session_turns_speak_stock_sglang(recording_proxy, sglang_spec, tiny_moe_dir):
     plan = _plan("+recipe=tiny_lora_agentic", "engine.build=stock")
     config = SessionServerConfig(
-        engine_url=recording_proxy.url, model_path=str(tiny_moe_dir), lora_name=CONTRACT_ADAPTER,
-        return_routed_experts=True, use_addition_r3=True,
-    )  # fmt: skip
+        engine_url=recording_proxy.url,
+        model_path=str(tiny_moe_dir),
+        lora_name=CONTRACT_ADAPTER,
+        return_routed_experts=True,
+        use_addition_r3=True,
+    )
     session = ThreadedServer(create_session_app(config)).start()
     try:
         async with EngineClient(recording_proxy.url) as client, SessionClients(session.url) as clients:

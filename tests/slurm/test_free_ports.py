@@ -18,8 +18,13 @@ from miles_runner.slurm import free_ports
 
 def router_plan_overrides(base: int) -> list[str]:
     """The router recipe (two engines, router, metrics, session) on the ports base .. base + 4."""
-    return ["+recipe=tiny_lora_agentic_router", f"engine.base_port={base}", f"session.port={base + 2}",
-            f"router.port={base + 3}", f"router.metrics_port={base + 4}"]  # fmt: skip
+    return [
+        "+recipe=tiny_lora_agentic_router",
+        f"engine.base_port={base}",
+        f"session.port={base + 2}",
+        f"router.port={base + 3}",
+        f"router.metrics_port={base + 4}",
+    ]
 
 
 def test_a_plans_ports_are_its_servers_and_the_routers_metrics_port():
@@ -28,8 +33,15 @@ def test_a_plans_ports_are_its_servers_and_the_routers_metrics_port():
 
 
 def test_an_engine_spanning_nodes_also_claims_its_rendezvous_ports():
-    overrides = ["cluster=gpu_1x", "cluster.nodes=2", "engine=sglang", "engine.tp_size=2", "executor=ray",
-                 "engine.base_port=31000", "engine.dist_init_port=32000"]  # fmt: skip
+    overrides = [
+        "cluster=gpu_1x",
+        "cluster.nodes=2",
+        "engine=sglang",
+        "engine.tp_size=2",
+        "executor=ray",
+        "engine.base_port=31000",
+        "engine.dist_init_port=32000",
+    ]
     plan = compile_design(compose(overrides))
     assert set(range(32000, 32001 + DIST_INIT_EXTRA_PORTS)) <= plan_ports(plan)
     assert {31000, 31001} <= plan_ports(plan)  # node rank 0's server, node rank 1's stand-in /health

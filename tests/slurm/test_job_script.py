@@ -24,9 +24,17 @@ pytestmark = pytest.mark.integration
 GOLDEN = Path(__file__).parent / "golden"
 TINY = "+recipe=tiny_lora_agentic"
 SLURM = "hydra/launcher=miles_slurm"
-GLM_SETTINGS = SlurmSettings(partition="gpu", account="rl", qos="high", time="24:00:00", cpus_per_task=96,
-                             mem="0", setup=["module load cuda/12.4", "source /opt/miles/venv/bin/activate"],
-                             extra_sbatch=["--exclusive"], nodes_timeout_s=600)
+GLM_SETTINGS = SlurmSettings(
+    partition="gpu",
+    account="rl",
+    qos="high",
+    time="24:00:00",
+    cpus_per_task=96,
+    mem="0",
+    setup=["module load cuda/12.4", "source /opt/miles/venv/bin/activate"],
+    extra_sbatch=["--exclusive"],
+    nodes_timeout_s=600,
+)
 
 
 def test_the_glm52_job_script_matches_the_reviewed_golden_file():
@@ -58,20 +66,28 @@ def test_a_job_starts_its_processes_itself_whatever_warm_start_server_the_submit
     until_ray = body[: body.index("RAY_PIDS=()")] + 'echo "warm start: ${MILES_WARM_START-unset}"\n'
     (tmp_path / "scontrol").write_text("#!/bin/sh\necho node0\n")  # what `scontrol show hostnames` prints
     (tmp_path / "scontrol").chmod(0o755)
-    env = {**os.environ, "MILES_WARM_START": "/tmp/submitter.sock", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n0",
-           "PATH": f"{tmp_path}:{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MILES_WARM_START": "/tmp/submitter.sock",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n0",
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+    }
     assert subprocess.run(["bash", "-c", until_ray], env=env, timeout=60).returncode == 0
     assert "warm start: unset" in (tmp_path / JOB_LOG).read_text()
 
 
-@pytest.mark.parametrize(("settings", "fix"), [
-    (SlurmSettings(nodes=2), "cluster.nodes=2"),
-    (SlurmSettings(gpus_per_node=8), "cluster.gpus_per_node=8"),
-    (SlurmSettings(tasks_per_node=8), "drop hydra.launcher.tasks_per_node"),
-    (SlurmSettings(extra_sbatch=["--nodes=4"]), "cluster.nodes=4 and drop the line"),
-    (SlurmSettings(extra_sbatch=["#SBATCH --gres=gpu:8"]), "cluster.gpus_per_node=8 and drop the line"),
-    (SlurmSettings(extra_sbatch=["--ntasks-per-node=8"]), "drop the line"),
-])
+@pytest.mark.parametrize(
+    ("settings", "fix"),
+    [
+        (SlurmSettings(nodes=2), "cluster.nodes=2"),
+        (SlurmSettings(gpus_per_node=8), "cluster.gpus_per_node=8"),
+        (SlurmSettings(tasks_per_node=8), "drop hydra.launcher.tasks_per_node"),
+        (SlurmSettings(extra_sbatch=["--nodes=4"]), "cluster.nodes=4 and drop the line"),
+        (SlurmSettings(extra_sbatch=["#SBATCH --gres=gpu:8"]), "cluster.gpus_per_node=8 and drop the line"),
+        (SlurmSettings(extra_sbatch=["--ntasks-per-node=8"]), "drop the line"),
+    ],
+)
 def test_a_launcher_setting_that_contradicts_the_plan_is_a_plan_error(settings, fix):
     plan = compile_plan(compose([TINY, *EXECUTOR_OVERRIDES]))
     [problem] = settings_problems(plan, settings)
@@ -80,8 +96,12 @@ def test_a_launcher_setting_that_contradicts_the_plan_is_a_plan_error(settings, 
 
 def test_settings_that_agree_with_the_plan_are_accepted():
     plan = compile_plan(compose([TINY, *EXECUTOR_OVERRIDES]))
-    assert settings_problems(plan, SlurmSettings(nodes=1, gpus_per_node=0, tasks_per_node=1,
-                                                 extra_sbatch=["--constraint=h100"])) == []
+    assert (
+        settings_problems(
+            plan, SlurmSettings(nodes=1, gpus_per_node=0, tasks_per_node=1, extra_sbatch=["--constraint=h100"])
+        )
+        == []
+    )
 
 
 def test_miles_run_refuses_a_contradicting_setting_before_submitting(capsys):
@@ -92,7 +112,8 @@ def test_miles_run_refuses_a_contradicting_setting_before_submitting(capsys):
 
 def test_an_explicit_executor_other_than_the_jobs_ray_is_a_plan_error(capsys):
     assert [p.rule for p in executor_problems(["executor=local", "executor.ray_address=10.0.0.1:6379"])] == [
-        "slurm-executor-contradiction"] * 2
+        "slurm-executor-contradiction"
+    ] * 2
     assert executor_problems(["executor=ray", "executor.ray_address=auto"]) == []
     assert main([TINY, SLURM, "executor=local", "--plan"]) == 2
     assert "fix: drop executor=local" in capsys.readouterr().err

@@ -32,8 +32,9 @@ FIGURES = Path(os.environ.get("MILES_SLURM_FIGURES", "/tmp/miles_slurm_figures.j
 
 
 def miles_run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([MILES_RUN, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [MILES_RUN, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
     assert done.returncode == 0, f"miles-run {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -59,8 +60,12 @@ def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.5):
 
 def wait_for_end(sweep_dir: Path, timeout_s: float = 400):
     manifest = read_manifest(sweep_dir)
-    return wait_until(lambda: (s := job_states(manifest)) and all(x.ended for x in s) and s, timeout_s,
-                      f"the jobs of {sweep_dir} to end", poll_s=1)
+    return wait_until(
+        lambda: (s := job_states(manifest)) and all(x.ended for x in s) and s,
+        timeout_s,
+        f"the jobs of {sweep_dir} to end",
+        poll_s=1,
+    )
 
 
 def scontrol_show(job_id: str) -> str:
@@ -97,10 +102,23 @@ def test_the_local_node_offers_every_core_whatever_openmp_is_told(slurm_cluster)
 
 def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(slurm_cluster, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.Popen([MILES_RUN, "-m", *TINY, *LAUNCHER, *ports(), "algorithm.num_steps=3", "run.seed=1,2",
-                             "hydra.launcher.wait=true", "hydra.launcher.poll_interval_s=1",
-                             f"hydra.sweep.dir={sweep_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            MILES_RUN,
+            "-m",
+            *TINY,
+            *LAUNCHER,
+            *ports(),
+            "algorithm.num_steps=3",
+            "run.seed=1,2",
+            "hydra.launcher.wait=true",
+            "hydra.launcher.poll_interval_s=1",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first_step_at: dict[str, float] = {}
     while proc.poll() is None:  # submit-to-first-step, per job (a measurement, not an assertion)
         for job in ("0", "1"):
@@ -110,8 +128,9 @@ def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(s
     out = proc.stdout.read()
     assert proc.returncode == 0, out[-4000:]
     manifest = read_manifest(sweep_dir)
-    assert len(manifest.jobs) == 2 and {j.job_id for j in manifest.jobs} == {f"{manifest.array_job_id}_{i}"
-                                                                             for i in (0, 1)}
+    assert len(manifest.jobs) == 2 and {j.job_id for j in manifest.jobs} == {
+        f"{manifest.array_job_id}_{i}" for i in (0, 1)
+    }
     folders = [Path(j.job_dir) for j in manifest.jobs]
     assert len(set(folders)) == 2
     for folder in folders:
@@ -127,8 +146,14 @@ def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(s
 def test_a_requeued_job_resumes_from_its_last_checkpoint(slurm_cluster, tmp_path):
     sweep_dir = tmp_path / "requeued"
     steps = 12
-    miles_run(*TINY, *LAUNCHER, *ports(), f"algorithm.num_steps={steps}", "checkpoint.interval=1",
-              f"hydra.sweep.dir={sweep_dir}")  # no --multirun: one job, submitted, and miles-run returns
+    miles_run(
+        *TINY,
+        *LAUNCHER,
+        *ports(),
+        f"algorithm.num_steps={steps}",
+        "checkpoint.interval=1",
+        f"hydra.sweep.dir={sweep_dir}",
+    )  # no --multirun: one job, submitted, and miles-run returns
     [job] = read_manifest(sweep_dir).jobs
     job_dir = Path(job.job_dir)
     wait_until(lambda: len(steps_of(job_dir)) >= 3, 300, "three steps of the first attempt")
@@ -152,14 +177,28 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(slurm_cluster, tmp_path
     raw_id = scontrol_show(job.job_id).split("JobId=")[1].split()[0]  # the task's own id, in its environment
     assert leftover_processes(raw_id) == [], "a process of the job outlived it"
     resumed_at = int(log.split("resuming from its checkpoint after ")[1].split()[0])
-    record_figure("requeue", {"steps": steps, "requeued_after_steps": requeued_after, "resumed_from": resumed_at,
-                              "metrics_steps": steps_of(job_dir)})
+    record_figure(
+        "requeue",
+        {
+            "steps": steps,
+            "requeued_after_steps": requeued_after,
+            "resumed_from": resumed_at,
+            "metrics_steps": steps_of(job_dir),
+        },
+    )
 
 
 def test_a_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path):
     sweep_dir = tmp_path / "missing_node"
-    miles_run(*TINY, *LAUNCHER, *ports(), "algorithm.num_steps=1", "hydra.launcher.nodes_timeout_s=10",
-              f"hydra.sweep.dir={sweep_dir}", env={EXPECT_MISSING_NODE: "1"})
+    miles_run(
+        *TINY,
+        *LAUNCHER,
+        *ports(),
+        "algorithm.num_steps=1",
+        "hydra.launcher.nodes_timeout_s=10",
+        f"hydra.sweep.dir={sweep_dir}",
+        env={EXPECT_MISSING_NODE: "1"},
+    )
     [state] = wait_for_end(sweep_dir, timeout_s=200)
     job_dir = Path(state.job.job_dir)
     log = (job_dir / "slurm.out").read_text()

@@ -7,8 +7,16 @@ from miles_runner.tracking.metrics import MetricsFile
 from miles_runner.tracking.plots import plot_metrics, summary_table
 from miles_runner.tracking.progress import Progress
 
-RECORDS = [{"step": i, "reward/mean": 0.1 * i, "train/loss": 1.0 - 0.1 * i, "rollout/tokens_per_s": 100.0 + i,
-            "train/kl": None} for i in range(8)]
+RECORDS = [
+    {
+        "step": i,
+        "reward/mean": 0.1 * i,
+        "train/loss": 1.0 - 0.1 * i,
+        "rollout/tokens_per_s": 100.0 + i,
+        "train/kl": None,
+    }
+    for i in range(8)
+]
 
 
 def test_progress_without_a_terminal_prints_plain_lines():

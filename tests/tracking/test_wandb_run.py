@@ -60,8 +60,13 @@ def track_one_step(run_dir: Path, *overrides: str) -> None:
 
 
 def test_an_offline_run_records_the_plans_project_name_and_tags(tmp_path):
-    track_one_step(tmp_path, "logger.wandb_mode=offline", "logger.project=proj-x", "logger.run_name=name-y",
-                   "logger.tags=[first,second]")  # fmt: skip
+    track_one_step(
+        tmp_path,
+        "logger.wandb_mode=offline",
+        "logger.project=proj-x",
+        "logger.run_name=name-y",
+        "logger.tags=[first,second]",
+    )
     run = offline_run(tmp_path)
     assert (run.project, run.display_name, list(run.tags)) == ("proj-x", "name-y", ["first", "second"])
 

@@ -26,8 +26,10 @@ REWARDS = (1.0, 0.0, 0.5, 0.0)
 
 
 def samples(responses=RESPONSES) -> list[Sample]:
-    return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
-            for r, w in zip(responses, REWARDS, strict=True)]
+    return [
+        Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
+        for r, w in zip(responses, REWARDS, strict=True)
+    ]
 
 
 def main(model_path: str, out_file: str, options: str = "{}") -> None:

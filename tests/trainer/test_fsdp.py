@@ -18,8 +18,10 @@ PROMPT = [1, 60, 61, 62, 63, 4]
 
 
 def group(responses: list[list[int]], rewards: list[float]) -> list[Sample]:
-    return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
-            for r, w in zip(responses, rewards, strict=True)]
+    return [
+        Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
+        for r, w in zip(responses, rewards, strict=True)
+    ]
 
 
 GOOD, BAD = [70, 71, 2], [90, 91, 2]

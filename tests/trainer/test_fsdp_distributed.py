@@ -36,9 +36,13 @@ def test_two_rank_step_with_per_token_loss_token_budget_and_whitened_advantages_
     # Rank 0 holds samples of 9 and 10 tokens (7 trained), rank 1 of 9 and 8 (5 trained): the per-token normalizer,
     # the micro-batch count (2 bins of 17 tokens against 1) and the REINFORCE++ whitening statistics all need the
     # other rank's share.
-    options = {"per_token_loss": True, "max_tokens_per_micro_batch": 17, "recompute": True,
-               "responses": [[70, 71, 2], [90, 91, 2], [70, 71, 72, 2], [91, 2]],
-               "algorithm": {"advantage_estimator": "reinforce_plus_plus"}}
+    options = {
+        "per_token_loss": True,
+        "max_tokens_per_micro_batch": 17,
+        "recompute": True,
+        "responses": [[70, 71, 2], [90, 91, 2], [70, 71, 72, 2], [91, 2]],
+        "algorithm": {"advantage_estimator": "reinforce_plus_plus"},
+    }
     sharded = train_on_ranks(tiny_model_path, 2, tmp_path / "two", options)
     single = train_on_ranks(tiny_model_path, 1, tmp_path / "one", options)
     for name, tensor in single["adapter"].items():

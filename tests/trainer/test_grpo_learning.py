@@ -27,10 +27,22 @@ def pretrained_model_path() -> str:
 
 
 def run(model_path: str, *, adapter_in_rollouts: bool, steps: int) -> LocalRunResult:
-    adapter = AdapterSpec("miles_lora", "miles_lora", 8, 16.0, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"],
-                          "count", "exact_match", 0.005, 16, 8)
-    config = LocalRunConfig(model_path, adapter, SamplingSettings(max_new_tokens=4), steps, seed=0,
-                            adapter_in_rollouts=adapter_in_rollouts)
+    adapter = AdapterSpec(
+        "miles_lora",
+        "miles_lora",
+        8,
+        16.0,
+        0.0,
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "count",
+        "exact_match",
+        0.005,
+        16,
+        8,
+    )
+    config = LocalRunConfig(
+        model_path, adapter, SamplingSettings(max_new_tokens=4), steps, seed=0, adapter_in_rollouts=adapter_in_rollouts
+    )
     return run_local_grpo(config)
 
 

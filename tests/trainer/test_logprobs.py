@@ -8,8 +8,15 @@ from miles_runner.trainer.logprobs import pack_samples, response_values
 
 
 def sample(tokens, response_length, loss_mask=None, log_probs=None):
-    return Sample(tokens, response_length, loss_mask or [1] * response_length, log_probs or [],
-                  None, SampleStatus.COMPLETED, reward=0.0)
+    return Sample(
+        tokens,
+        response_length,
+        loss_mask or [1] * response_length,
+        log_probs or [],
+        None,
+        SampleStatus.COMPLETED,
+        reward=0.0,
+    )
 
 
 def test_loss_mask_sits_on_the_columns_that_predict_response_tokens():

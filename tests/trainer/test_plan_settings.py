@@ -45,8 +45,10 @@ def multi_trainer(model_path: str, *overrides: str) -> MultiLoRATrainer:
 def in_slot(samples: list[Sample], slot: int, n: int) -> list[Sample]:
     """`samples` repeated into whole groups of `n` (the adapter's group size), tagged with their slot."""
     repeated = [samples[i % len(samples)] for i in range(n)]
-    return [Sample(s.tokens, s.response_length, s.loss_mask, [], None, s.status, reward=s.reward,
-                   metadata={"slot": slot}) for s in repeated]  # fmt: skip
+    return [
+        Sample(s.tokens, s.response_length, s.loss_mask, [], None, s.status, reward=s.reward, metadata={"slot": slot})
+        for s in repeated
+    ]
 
 
 def lora_a(trainer: FSDPTrainer) -> dict[str, torch.Tensor]:
@@ -90,8 +92,11 @@ def test_adapters_dropout_is_the_lora_dropout_of_the_trained_and_exported_adapte
 
 def test_no_dropout_leaves_the_lora_path_deterministic(tiny_model_path):
     trainer = fsdp_trainer(tiny_model_path, "adapters.dropout=0.0")
-    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity)
-               for m in trainer.model.modules() if hasattr(m, "lora_dropout"))  # fmt: skip
+    assert all(
+        isinstance(m.lora_dropout["default"], torch.nn.Identity)
+        for m in trainer.model.modules()
+        if hasattr(m, "lora_dropout")
+    )
 
 
 # ---- optimizer.* ----
@@ -148,7 +153,8 @@ def test_normalize_advantages_by_std_makes_the_step_blind_to_the_reward_scale(ti
     and so is the gradient."""
     norms = []
     for scale in (1.0, 4.0):
-        trainer = fsdp_trainer(tiny_model_path, f"algorithm.normalize_advantages_by_std={normalize}",
-                               "optimizer.clip_grad=1e6")  # fmt: skip
+        trainer = fsdp_trainer(
+            tiny_model_path, f"algorithm.normalize_advantages_by_std={normalize}", "optimizer.clip_grad=1e6"
+        )
         norms.append(trainer.train(group([GOOD, BAD], [scale, 0.0]))["grad_norm"])
     assert norms[1] == pytest.approx(norms[0] * (1.0 if normalize else 4.0), rel=1e-3)

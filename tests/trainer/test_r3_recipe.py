@@ -31,8 +31,10 @@ def test_the_r3_twin_replays_the_sessions_routing_every_step_matching_the_engine
     run_default_recipe(tmp_path, f"algorithm.num_steps={STEPS}", fault=False, recipe=RECIPE)
     [metrics] = tmp_path.rglob("metrics.jsonl")
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    print(f"routing_replay_diff_frac per step {[round(s['train/routing_replay_diff_frac'], 4) for s in steps]}; "
-          f"logprob gap {[s['train/rollout_logprob_abs_diff'] for s in steps]}")  # fmt: skip
+    print(
+        f"routing_replay_diff_frac per step {[round(s['train/routing_replay_diff_frac'], 4) for s in steps]}; "
+        f"logprob gap {[s['train/rollout_logprob_abs_diff'] for s in steps]}"
+    )
     assert len(steps) == STEPS
     assert all(0.0 <= s["train/routing_replay_diff_frac"] <= 1.0 for s in steps)
     # The trainer's logprobs under the replayed routing are the engine's: tokens, logprobs and R3 rows line up.

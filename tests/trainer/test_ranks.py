@@ -41,11 +41,19 @@ def recorded_plan(tmp_path: Path, *overrides: str) -> tuple[Plan, Path]:
 def samples(slot: int, groups: int, n: int, seed: int) -> list[Sample]:
     """`groups` prompts' samples for `slot`, each group with one rewarded answer (an odd count per rank)."""
     return [
-        Sample(tokens=[3, 4, 5, 6, 10 + seed + g, 20 + k], response_length=2, loss_mask=[1, 1],
-               rollout_log_probs=[-1.0, -1.5], rollout_routed_experts=None, status=SampleStatus.COMPLETED,
-               reward=float(k == g % n), metadata={"slot": slot})
-        for g in range(groups) for k in range(n)
-    ]  # fmt: skip
+        Sample(
+            tokens=[3, 4, 5, 6, 10 + seed + g, 20 + k],
+            response_length=2,
+            loss_mask=[1, 1],
+            rollout_log_probs=[-1.0, -1.5],
+            rollout_routed_experts=None,
+            status=SampleStatus.COMPLETED,
+            reward=float(k == g % n),
+            metadata={"slot": slot},
+        )
+        for g in range(groups)
+        for k in range(n)
+    ]
 
 
 def in_slot(adapter: AdapterSpec, slot: int) -> AdapterSpec:

@@ -28,30 +28,43 @@ SGD = OptimizerConfig(name="sgd")  # the update is proportional to the gradient:
 
 
 def group(responses: list[list[int]], rewards: list[float], **metadata) -> list[Sample]:
-    return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w, metadata=metadata)
-            for r, w in zip(responses, rewards, strict=True)]  # fmt: skip
+    return [
+        Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w, metadata=metadata)
+        for r, w in zip(responses, rewards, strict=True)
+    ]
 
 
 def attention_inputs(trainer) -> list[tuple[int, ...]]:
     """Shapes of the first layer's attention inputs, one per forward (a recompute in backward counts too)."""
     shapes: list[tuple[int, ...]] = []
     layer = decoder_layers(trainer.model)[0].self_attn
-    layer.register_forward_hook(lambda module, args, kwargs, out: shapes.append(tuple(kwargs["hidden_states"].shape)),
-                                with_kwargs=True)  # fmt: skip
+    layer.register_forward_hook(
+        lambda module, args, kwargs, out: shapes.append(tuple(kwargs["hidden_states"].shape)), with_kwargs=True
+    )
     return shapes
 
 
 def same_adapters(a: FSDPTrainer, b: FSDPTrainer) -> bool:
-    return all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.adapter_state().values(),
-                                                               b.adapter_state().values(), strict=True))  # fmt: skip
+    return all(
+        torch.allclose(x, y, atol=1e-6)
+        for x, y in zip(a.adapter_state().values(), b.adapter_state().values(), strict=True)
+    )
 
 
 def test_the_plan_sets_the_trainer_switches():
-    plan = compile_plan(compose([
-        "trainer.calculate_per_token_loss=true", "trainer.parallel.recompute=true",
-        "trainer.use_dynamic_batch_size=true", "trainer.max_tokens_per_gpu=64",
-        "algorithm.advantage_estimator=reinforce_plus_plus", "algorithm.gamma=0.9", "algorithm.kl_coef=0.01",
-    ]))  # fmt: skip
+    plan = compile_plan(
+        compose(
+            [
+                "trainer.calculate_per_token_loss=true",
+                "trainer.parallel.recompute=true",
+                "trainer.use_dynamic_batch_size=true",
+                "trainer.max_tokens_per_gpu=64",
+                "algorithm.advantage_estimator=reinforce_plus_plus",
+                "algorithm.gamma=0.9",
+                "algorithm.kl_coef=0.01",
+            ]
+        )
+    )
     settings = TrainerSettings.from_plan(plan)
     assert (settings.per_token_loss, settings.recompute, settings.max_tokens_per_micro_batch) == (True, True, 64)
     assert settings.estimator() == Estimator("reinforce_plus_plus", plan.batch.n_samples_per_prompt, True, 0.01, 0.9)
@@ -94,8 +107,9 @@ def test_micro_batches_split_further_to_the_count_every_rank_runs():
 def test_a_token_budget_packs_micro_batches_and_leaves_the_update_unchanged(tiny_model_path):
     samples = group([GOOD, [90, 2], [70, 2], [2]], [1.0, 0.0, 0.5, 0.0])  # 9, 8, 8 and 7 tokens
     fixed = FSDPTrainer(tiny_model_path, make_settings(optimizer=SGD, micro_batch_size=1))
-    packed = FSDPTrainer(tiny_model_path, make_settings(optimizer=SGD, micro_batch_size=1,
-                                                        max_tokens_per_micro_batch=16))  # fmt: skip
+    packed = FSDPTrainer(
+        tiny_model_path, make_settings(optimizer=SGD, micro_batch_size=1, max_tokens_per_micro_batch=16)
+    )
     fixed_calls, packed_calls = attention_inputs(fixed), attention_inputs(packed)
     fixed.train(samples)
     packed.train(samples)
@@ -139,14 +153,14 @@ def test_the_kl_is_a_loss_term_for_grpo_and_a_reward_penalty_for_reinforce(tiny_
     trainer.train(samples)  # moves the adapter off the reference
     metrics = trainer.train(samples)
     assert metrics["kl"] > 0.0
-    assert (metrics["loss"] - metrics["pg_loss"]) == pytest.approx(0.5 * metrics["kl"] if kl_in_loss else 0.0,
-                                                                    abs=1e-6)  # fmt: skip
+    assert (metrics["loss"] - metrics["pg_loss"]) == pytest.approx(0.5 * metrics["kl"] if kl_in_loss else 0.0, abs=1e-6)
 
 
 def test_the_multi_lora_trainer_uses_the_estimator_and_the_token_budget(tiny_model_path):
     algorithm = replace(AlgorithmConfig(), advantage_estimator="reinforce_plus_plus_baseline")
-    settings = MultiAdapterSettings(algorithm, OptimizerConfig(lr=0.05), micro_batch_size=4,
-                                    max_tokens_per_micro_batch=9, recompute=True)  # fmt: skip
+    settings = MultiAdapterSettings(
+        algorithm, OptimizerConfig(lr=0.05), micro_batch_size=4, max_tokens_per_micro_batch=9, recompute=True
+    )
     trainer = MultiLoRATrainer(tiny_model_path, settings)
     adapter = AdapterSpec("a", "__miles_slot_0", 4, 8.0, 0.0, ["q_proj", "v_proj"], "count", "exact_match", 0.05, 1, 2)
     trainer.load_adapter(0, adapter)

@@ -59,12 +59,22 @@ def lora_engine(tiny_moe_dir: Path, log_dir: Path) -> Iterator[str]:
     """A LoRA-enabled embedded engine for sync tests: yields its URL, stops it after."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "miles_runner.embedded_engine", "--model-path", str(tiny_moe_dir),
-        "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-lora-rank", "8",
-        "--dist-timeout", str(DIST_TIMEOUT_S),
-    ]  # fmt: skip
-    process = start_engine(argv, port=port, log_path=log_dir / "engine.log", env={"HF_HUB_OFFLINE": "1"},
-                           timeout_s=180)  # fmt: skip
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(tiny_moe_dir),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--dist-timeout",
+        str(DIST_TIMEOUT_S),
+    ]
+    process = start_engine(argv, port=port, log_path=log_dir / "engine.log", env={"HF_HUB_OFFLINE": "1"}, timeout_s=180)
     yield engine_url(argv, port)
     process.stop()
 

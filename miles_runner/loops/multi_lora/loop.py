@@ -103,8 +103,15 @@ class MultiLoRALoop:
         sync, model = self.plan.weight_sync, self.plan.model_path
         probe = PushProbe(self.engines, probe_token_ids(model), sync.max_logprob_gap) if sync.verify else None
         self.pushes = Pushes(self.engines, self.sync, self.trainer, self.controller, self.events, probe)
-        self.reconciler = Reconciler(self.controller, self.trainer, self.rollout, self.pushes, self.checkpoints,
-                                     self.events, default_num_steps=self.plan.batch.num_steps)  # fmt: skip
+        self.reconciler = Reconciler(
+            self.controller,
+            self.trainer,
+            self.rollout,
+            self.pushes,
+            self.checkpoints,
+            self.events,
+            default_num_steps=self.plan.batch.num_steps,
+        )
         self.recovery = EngineRecovery(self.executor, self.events)
         self.records = StepRecords(self.rollout, self.buffers)
         self.iteration = first_iteration(self.run_dir, self.resume)
@@ -166,9 +173,12 @@ class MultiLoRALoop:
         started = time.perf_counter()
         try:
             batch = await collect_batch(
-                self.buffers, snapshot, target_samples=self.plan.batch.global_batch_size,
-                coalesce_wait_s=m.max_coalesce_wait_s, empty_wait_s=m.max_empty_wait_s,
-            )  # fmt: skip
+                self.buffers,
+                snapshot,
+                target_samples=self.plan.batch.global_batch_size,
+                coalesce_wait_s=m.max_coalesce_wait_s,
+                empty_wait_s=m.max_empty_wait_s,
+            )
         except EmptyBatchTimeoutError as error:
             log.warning("%s; reconciling and trying again", error)
             return None, 0.0
@@ -185,13 +195,22 @@ class MultiLoRALoop:
         train_s = time.perf_counter() - started
         stepped = await self.controller.mark_batch_trained(rollout_id)
         self.pushes.want(stepped)
-        self.events.write(self.iteration, "trained", step_names=stepped, groups=[
-            [g.adapter, g.slot, g.slot_version, g.registration_id, g.index] for g in batch.groups
-        ])  # fmt: skip
+        self.events.write(
+            self.iteration,
+            "trained",
+            step_names=stepped,
+            groups=[[g.adapter, g.slot, g.slot_version, g.registration_id, g.index] for g in batch.groups],
+        )
         return metrics, stepped, train_s
 
-    async def _record(self, snapshot: RegistrySnapshot, batch: TrainBatch, metrics: SlotMetrics, stepped: list[str],
-                      timings: dict[str, float]) -> None:  # fmt: skip
+    async def _record(
+        self,
+        snapshot: RegistrySnapshot,
+        batch: TrainBatch,
+        metrics: SlotMetrics,
+        stepped: list[str],
+        timings: dict[str, float],
+    ) -> None:
         """The iteration's record (metrics.jsonl, wandb, progress), then each stepped adapter's checkpoint if due."""
         steps = {name: (await self.controller.adapter_step(name)) for name in stepped}
         record = self.records.record(self.iteration, snapshot, batch, metrics, steps, timings)

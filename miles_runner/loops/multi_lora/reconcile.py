@@ -58,8 +58,14 @@ class Reconciler:
         self.loaded[run.name] = run
         self.pushes.want([run.name])
         resumed_step = saved[1]["step"] if saved else None
-        self.events.write(iteration, "loaded", name=run.name, slot=run.slot, registration_id=run.registration_id,
-                          resumed_step=resumed_step)  # fmt: skip
+        self.events.write(
+            iteration,
+            "loaded",
+            name=run.name,
+            slot=run.slot,
+            registration_id=run.registration_id,
+            resumed_step=resumed_step,
+        )
 
     async def _resolve_num_step(self, run: AdapterRun) -> None:
         """No num_step given: an epoch of its data file; a generated task: the plan's step count."""

@@ -35,6 +35,7 @@ from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster
 from miles_runner.plan.rules import megatron, weight_sync  # noqa: F401
 from miles_runner.plan.rules import model, engine_build  # noqa: F401
 from miles_runner.plan.rules import training, security, engine_limits  # noqa: F401
+
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 

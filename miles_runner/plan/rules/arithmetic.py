@@ -112,16 +112,21 @@ def describe_layout(layout: EngineLayout) -> str:
 
 def even_tp_size(devices: list[Device], tp: int) -> int:
     """The largest engine size below tp that makes whole engines of these devices, each split evenly (1 always)."""
-    return next(t for t in range(tp - 1, 0, -1) if len(devices) % t == 0
-                and all(map(split_evenly, split_into_engines(devices, t, len(devices) // t))))  # fmt: skip
+    return next(
+        t
+        for t in range(tp - 1, 0, -1)
+        if len(devices) % t == 0 and all(map(split_evenly, split_into_engines(devices, t, len(devices) // t)))
+    )
 
 
 def whole_node_hint(cfg: MilesConfig, d: Derived) -> str:
     """The other way out: engines that start on a node boundary, because the trainer takes whole nodes."""
     if d.colocated or d.trainer_gpus_per_node % d.devices_per_node == 0:
         return ""
-    return (f"A trainer on whole nodes (topology.actor_num_gpus_per_node={d.devices_per_node}) would also start the "
-            "engines on a node boundary.")
+    return (
+        f"A trainer on whole nodes (topology.actor_num_gpus_per_node={d.devices_per_node}) would also start the "
+        "engines on a node boundary."
+    )
 
 
 @rule("cluster-holds-plan")

@@ -15,13 +15,22 @@ from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 # Rule ids of the refusals of what this release has not built (each names the issue that builds it).
-NOT_BUILT = ("full-weight-training-not-built", "fully-async-not-built",
-             "train-only-adapter-not-built",
-             "fsdp-trainer-on-gpus-not-built")  # fmt: skip
+NOT_BUILT = (
+    "full-weight-training-not-built",
+    "fully-async-not-built",
+    "train-only-adapter-not-built",
+    "fsdp-trainer-on-gpus-not-built",
+)
 
 # SGLang launch settings the embedded CPU engine has no counterpart for: only their defaults are accepted.
-SGLANG_ONLY_ENGINE_SETTINGS = ("mem_fraction_static", "lora_backend", "enable_cuda_graph", "dp_attention",
-                               "fp8_rollout", "extra_args")  # fmt: skip
+SGLANG_ONLY_ENGINE_SETTINGS = (
+    "mem_fraction_static",
+    "lora_backend",
+    "enable_cuda_graph",
+    "dp_attention",
+    "fp8_rollout",
+    "extra_args",
+)
 
 
 @rule("full-weight-training-not-built")

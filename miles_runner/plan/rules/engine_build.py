@@ -20,9 +20,11 @@ def stock_sglang_has_no_lora_broadcast(cfg: MilesConfig, d: Derived) -> Iterator
     if cfg.engine.build == STOCK and d.lora_enabled and d.transfer_mode == "broadcast":
         colocated = "adapters=single topology=colocated" if d.multi_lora else "topology=colocated"
         yield _fork_only(
-            "lora-broadcast-load", (TOPOLOGY, ADAPTERS), "Disaggregated engines receive the adapter by broadcast",
+            "lora-broadcast-load",
+            (TOPOLOGY, ADAPTERS),
+            "Disaggregated engines receive the adapter by broadcast",
             colocated,
-        )  # fmt: skip
+        )
 
 
 @rule("stock-sglang-has-no-lora-upsert")
@@ -35,18 +37,22 @@ def stock_sglang_has_no_lora_upsert(cfg: MilesConfig, d: Derived) -> Iterator[Fi
         yield _fork_only("lora-upsert", (ADAPTERS,), "Every multi-LoRA push refreshes its slot in place", "")
     elif cfg.weight_sync.pause_generation_mode == "in_place":
         yield _fork_only(
-            "lora-upsert", (PAUSE,), "Under an in_place pause the adapter is refreshed in place",
+            "lora-upsert",
+            (PAUSE,),
+            "Under an in_place pause the adapter is refreshed in place",
             f"{PAUSE}=retract",
-        )  # fmt: skip
+        )
 
 
 @rule("stock-sglang-has-no-prefix-abort")
 def stock_sglang_has_no_prefix_abort(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.engine.build == STOCK and d.multi_lora:
         yield _fork_only(
-            "abort-by-rid-prefix", (ADAPTERS,), "Retiring a multi-LoRA adapter aborts its `name::` requests",
+            "abort-by-rid-prefix",
+            (ADAPTERS,),
+            "Retiring a multi-LoRA adapter aborts its `name::` requests",
             "adapters=single",
-        )  # fmt: skip
+        )
 
 
 def _fork_only(name: str, keys: tuple[str, ...], why_here: str, turn_off: str) -> Finding:

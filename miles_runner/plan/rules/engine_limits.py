@@ -23,8 +23,11 @@ def rollout_within_engine_limits(cfg: MilesConfig, d: Derived) -> Iterator[Findi
     for name in LIMITS:
         limit = getattr(cfg.engine, name)
         if limit < 1:
-            yield Finding((f"engine.{name}",), f"engine.{name} is a request limit; it must be at least 1.",
-                          f"engine.{name}={getattr(EngineConfig, name)}")  # fmt: skip
+            yield Finding(
+                (f"engine.{name}",),
+                f"engine.{name} is a request limit; it must be at least 1.",
+                f"engine.{name}={getattr(EngineConfig, name)}",
+            )
         elif cfg.engine.kind == "embedded" and cfg.rollout.n_samples_per_prompt > limit:
             yield Finding(
                 (SAMPLES, f"engine.{name}"),

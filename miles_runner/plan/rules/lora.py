@@ -121,11 +121,11 @@ def starting_adapter_fits_plan(cfg: MilesConfig, d: Derived) -> Iterator[Finding
         )
         return
     a = cfg.adapters
-    for problem in starting_adapter_problems(path, rank=a.rank, alpha=a.alpha, targets=d.target_modules,
-                                             base=d.model_path):  # fmt: skip
+    for problem in starting_adapter_problems(
+        path, rank=a.rank, alpha=a.alpha, targets=d.target_modules, base=d.model_path
+    ):
         yield Finding(
             ("adapters.path", "adapters.rank", "adapters.alpha", "adapters.target_modules", "model.path"),
             f"The starting adapter cannot be loaded as planned: {problem}.",
             "adapters.path=''",
         )
-

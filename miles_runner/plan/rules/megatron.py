@@ -21,8 +21,12 @@ from miles_runner.plan.model_shape import checkpoint_config
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
-NOT_BUILT = ("megatron-lora-layout-not-built", "megatron-multi-lora-not-built", "megatron-parallelism-not-built",
-             "megatron-offload-not-built")  # fmt: skip
+NOT_BUILT = (
+    "megatron-lora-layout-not-built",
+    "megatron-multi-lora-not-built",
+    "megatron-parallelism-not-built",
+    "megatron-offload-not-built",
+)
 
 
 def _megatron_lora(cfg: MilesConfig, d: Derived) -> bool:
@@ -133,8 +137,11 @@ def megatron_parallelism_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
     if cfg.trainer.backend != "megatron":
         return
     p = cfg.trainer.parallel
-    reasons = {"pp": "pipeline stages", "cp": "context parallelism (ring attention needs Transformer Engine)",
-               "etp": "expert tensor parallelism"}  # fmt: skip
+    reasons = {
+        "pp": "pipeline stages",
+        "cp": "context parallelism (ring attention needs Transformer Engine)",
+        "etp": "expert tensor parallelism",
+    }
     for key, what in reasons.items():
         if getattr(p, key) != 1:
             yield Finding(
@@ -172,8 +179,10 @@ def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Find
 def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.trainer.backend != "megatron":
         return
-    for key, what in (("offload_train", "the trainer's weights while the engines generate"),
-                      ("offload_rollout", "the engines' memory while the trainer trains")):  # fmt: skip
+    for key, what in (
+        ("offload_train", "the trainer's weights while the engines generate"),
+        ("offload_rollout", "the engines' memory while the trainer trains"),
+    ):
         if getattr(d, key):
             yield Finding(
                 (f"topology.{key}", BACKEND),

@@ -36,8 +36,7 @@ def multi_lora_needs_disaggregated(cfg: MilesConfig, d: Derived) -> Iterator[Fin
     if d.colocated:
         yield Finding(
             (ADAPTERS, TOPOLOGY),
-            "Multi-LoRA adapters reach the engines only by broadcast to engines that keep running "
-            "(disaggregated).",
+            "Multi-LoRA adapters reach the engines only by broadcast to engines that keep running (disaggregated).",
             "topology=disaggregated",
         )
 
@@ -59,8 +58,7 @@ def multi_lora_needs_pp1(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.trainer.parallel.pp > 1:
         yield Finding(
             (ADAPTERS, "trainer.parallel.pp"),
-            "No pipeline rank holds a full adapter, and a pipelined recompute would use another "
-            "micro-batch's routing.",
+            "No pipeline rank holds a full adapter, and a pipelined recompute would use another micro-batch's routing.",
             "trainer.parallel.pp=1",
         )
 
@@ -147,10 +145,15 @@ def adapter_limits(d: Derived) -> AdapterLimits:
     """What the plan's engines and trainer serve, as the multi-LoRA controller will check it at run time."""
     names = registered()
     return AdapterLimits(
-        max_slots=d.multi_lora_slots, max_lora_rank=d.max_lora_rank, target_modules=tuple(d.target_modules),
-        max_adapter_global_batch_size=d.max_adapter_global_batch_size, dp_size=d.dp_size,
-        tasks=tuple(names["task"]), rewards=tuple(names["reward"]), agents=tuple(names["agent"]),
-    )  # fmt: skip
+        max_slots=d.multi_lora_slots,
+        max_lora_rank=d.max_lora_rank,
+        target_modules=tuple(d.target_modules),
+        max_adapter_global_batch_size=d.max_adapter_global_batch_size,
+        dp_size=d.dp_size,
+        tasks=tuple(names["task"]),
+        rewards=tuple(names["reward"]),
+        agents=tuple(names["agent"]),
+    )
 
 
 def _problems(cfg: MilesConfig, d: Derived, fields: set[str]) -> Iterator[tuple[int, AdapterEntry, AdapterProblem]]:
@@ -173,12 +176,18 @@ def adapter_names_unique_and_safe(cfg: MilesConfig, d: Derived) -> Iterator[Find
     counts, named = Counter(names), set()
     for i, _run, problem in _problems(cfg, d, {"name"}):
         named.add(i)
-        yield Finding(_keys(i, problem), f"Adapter names become folders and rid prefixes: {problem}.",
-                      f"++adapters.runs.{i}.name={free_name(names, i)}")
+        yield Finding(
+            _keys(i, problem),
+            f"Adapter names become folders and rid prefixes: {problem}.",
+            f"++adapters.runs.{i}.name={free_name(names, i)}",
+        )
     for i, name in enumerate(names):
         if i not in named and counts[name] > 1 and names.index(name) != i:  # the first keeps its name
-            yield Finding((f"adapters.runs[{i}].name",), f"'{name}' names more than one adapter.",
-                          f"++adapters.runs.{i}.name={free_name(names, i)}")
+            yield Finding(
+                (f"adapters.runs[{i}].name",),
+                f"'{name}' names more than one adapter.",
+                f"++adapters.runs.{i}.name={free_name(names, i)}",
+            )
 
 
 def free_name(names: list[str], i: int) -> str:
@@ -198,11 +207,17 @@ def adapter_fits_engine(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         if field == "rank":
             rank = adapter_value(run, "rank", cfg)
             fits = isinstance(rank, int) and rank > 0
-            yield Finding((*_keys(i, problem), "engine.max_lora_rank"), f"Adapter '{run.name}': {problem}.",
-                          f"engine.max_lora_rank={rank}" if fits else f"++adapters.runs.{i}.rank=1")
+            yield Finding(
+                (*_keys(i, problem), "engine.max_lora_rank"),
+                f"Adapter '{run.name}': {problem}.",
+                f"engine.max_lora_rank={rank}" if fits else f"++adapters.runs.{i}.rank=1",
+            )
         elif field == "target_modules":
-            yield Finding((*_keys(i, problem), "adapters.target_modules"), f"Adapter '{run.name}': {problem}.",
-                          "adapters.target_modules=[all-linear]")
+            yield Finding(
+                (*_keys(i, problem), "adapters.target_modules"),
+                f"Adapter '{run.name}': {problem}.",
+                "adapters.target_modules=[all-linear]",
+            )
         else:
             yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.", f"++adapters.runs.{i}.{field}=...")
 
@@ -213,8 +228,11 @@ def adapter_batch_shape(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     fields = {"rollout_batch_size", "n_samples_per_prompt", "num_step", "num_epoch"}
     limits = adapter_limits(d)
     for i, run, problem in _problems(cfg, d, fields):
-        yield Finding(_keys(i, problem), f"Adapter '{run.name}': {problem}.",
-                      batch_fix(i, adapter_values(cfg, run), limits, problem))
+        yield Finding(
+            _keys(i, problem),
+            f"Adapter '{run.name}': {problem}.",
+            batch_fix(i, adapter_values(cfg, run), limits, problem),
+        )
 
 
 def batch_fix(i: int, values: dict[str, Any], limits: AdapterLimits, problem: AdapterProblem) -> str:

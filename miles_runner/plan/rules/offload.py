@@ -61,7 +61,6 @@ def offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
             )
 
 
-
 @rule("optimizer-cpu-offload-needs-megatron")
 def optimizer_cpu_offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.optimizer.cpu_offload and cfg.trainer.backend != "megatron":

@@ -49,18 +49,28 @@ def dataset_task_needs_data(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         return task in TASKS and TASKS.get(task).needs_data
 
     if needs_data(cfg.rollout.task) and not cfg.rollout.data:
-        yield Finding(("rollout.task", "rollout.data"), f"Task {cfg.rollout.task} reads its prompts from a file.",
-                      "rollout.data=/path/to/prompts.jsonl")
+        yield Finding(
+            ("rollout.task", "rollout.data"),
+            f"Task {cfg.rollout.task} reads its prompts from a file.",
+            "rollout.data=/path/to/prompts.jsonl",
+        )
     for i, run in enumerate(cfg.adapters.runs if d.multi_lora else []):
         if needs_data(run.task) and not run.data:
-            yield Finding((f"adapters.runs[{i}].task", f"adapters.runs[{i}].data"),
-                          f"Adapter '{run.name}' task {run.task} reads its prompts from a file.",
-                          f"++adapters.runs.{i}.data=/path/to/prompts.jsonl")
+            yield Finding(
+                (f"adapters.runs[{i}].task", f"adapters.runs[{i}].data"),
+                f"Adapter '{run.name}' task {run.task} reads its prompts from a file.",
+                f"++adapters.runs.{i}.data=/path/to/prompts.jsonl",
+            )
     named = [("rollout.data", "rollout.data", cfg.rollout.data)]
-    named += [(f"adapters.runs[{i}].data", f"++adapters.runs.{i}.data", run.data)
-              for i, run in enumerate(cfg.adapters.runs if d.multi_lora else [])]
+    named += [
+        (f"adapters.runs[{i}].data", f"++adapters.runs.{i}.data", run.data)
+        for i, run in enumerate(cfg.adapters.runs if d.multi_lora else [])
+    ]
     for key, override, path in named:
         if path.startswith(BUNDLED_SCHEME) and not Path(resolve_data_path(path)).is_file():
             shipped = sorted(f.name for f in BUNDLED_DATA.glob("*.jsonl"))
-            yield Finding((key,), f"No prompt set {path.removeprefix(BUNDLED_SCHEME)!r} is bundled; the package "
-                          f"ships {shipped}.", f"{override}={BUNDLED_SCHEME}{shipped[0]}")
+            yield Finding(
+                (key,),
+                f"No prompt set {path.removeprefix(BUNDLED_SCHEME)!r} is bundled; the package ships {shipped}.",
+                f"{override}={BUNDLED_SCHEME}{shipped[0]}",
+            )

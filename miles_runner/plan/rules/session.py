@@ -104,11 +104,17 @@ def session_open_to_the_network_needs_key(cfg: MilesConfig, d: Derived) -> Itera
 def session_limits_fit_rollout(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     s, r = cfg.session, cfg.rollout
     if s.max_sessions < 1:
-        yield Finding(("session.max_sessions",), "session.max_sessions caps the open sessions; it must be at least 1.",
-                      "session.max_sessions=1024")  # fmt: skip
+        yield Finding(
+            ("session.max_sessions",),
+            "session.max_sessions caps the open sessions; it must be at least 1.",
+            "session.max_sessions=1024",
+        )
     if not 0 < s.max_age_s < math.inf:
-        yield Finding(("session.max_age_s",), "session.max_age_s is a session's lifetime in seconds; it must be a "
-                      "positive, finite number.", "session.max_age_s=3600")  # fmt: skip
+        yield Finding(
+            ("session.max_age_s",),
+            "session.max_age_s is a session's lifetime in seconds; it must be a positive, finite number.",
+            "session.max_age_s=3600",
+        )
     episodes = r.rollout_batch_size * r.n_samples_per_prompt
     if s.version != "off" and 1 <= s.max_sessions < episodes:
         yield Finding(

@@ -27,8 +27,11 @@ MAX_GAP = "weight_sync.max_logprob_gap"
 @rule("update-interval-positive", precondition=True)
 def update_interval_positive(cfg: MilesConfig, d: Derived | None) -> Iterator[Finding]:
     if cfg.weight_sync.update_weights_interval < 1:
-        yield Finding((INTERVAL,), f"{INTERVAL} counts training steps between adapter pushes; it must be at least 1.",
-                      f"{INTERVAL}=1")  # fmt: skip
+        yield Finding(
+            (INTERVAL,),
+            f"{INTERVAL} counts training steps between adapter pushes; it must be at least 1.",
+            f"{INTERVAL}=1",
+        )
 
 
 @rule("update-interval-within-staleness")
@@ -36,7 +39,9 @@ def update_interval_within_staleness(cfg: MilesConfig, d: Derived) -> Iterator[F
     interval, schedule = cfg.weight_sync.update_weights_interval, cfg.rollout.schedule
     bound = staleness_bound(interval, schedule)
     if interval > 1 and bound > cfg.rollout.max_weight_staleness:
-        why = f"{interval} - 1 steps between pushes" + (", plus one for the async schedule" if schedule == "async" else "")
+        why = f"{interval} - 1 steps between pushes" + (
+            ", plus one for the async schedule" if schedule == "async" else ""
+        )
         yield Finding(
             (INTERVAL, *((SCHEDULE,) if schedule == "async" else ()), STALENESS),
             f"Pushing the adapter every {interval} steps trains batches up to {bound} weight versions old ({why}); "

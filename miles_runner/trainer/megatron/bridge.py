@@ -125,8 +125,9 @@ class BridgeLoRAModel(MegatronCausalLM):
             if param.grad is None:  # an expert no token reached
                 param.grad = torch.zeros_like(param)
             expert = not getattr(param, "allreduce", True)
-            group = (parallel_state.get_expert_data_parallel_group() if expert
-                     else parallel_state.get_data_parallel_group())  # fmt: skip
+            group = (
+                parallel_state.get_expert_data_parallel_group() if expert else parallel_state.get_data_parallel_group()
+            )
             by_group.setdefault(group, []).append(param.grad)
         for group, grads in by_group.items():
             if dist.get_world_size(group) == 1 and scale == 1.0:
@@ -166,10 +167,12 @@ class BridgeLoRAModel(MegatronCausalLM):
         weights = list(self.bridge.export_adapter_weights([self.gpt], cpu=True, show_progress=False))
         _, module_keys, target_parameters = convert_adapter_weights_to_peft_state(weights)
         return build_adapter_config_dict(
-            self.lora, target_modules=infer_target_modules_from_adapter_weights(module_keys),
-            target_parameters=target_parameters, base_model_name_or_path=self.hf_folder,
+            self.lora,
+            target_modules=infer_target_modules_from_adapter_weights(module_keys),
+            target_parameters=target_parameters,
+            base_model_name_or_path=self.hf_folder,
             rank_pattern=infer_rank_pattern_from_adapter_weights(weights, default_rank=self.lora.dim),
-        )  # fmt: skip
+        )
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter in PEFT names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), full on
@@ -184,9 +187,12 @@ class BridgeLoRAModel(MegatronCausalLM):
         """A PEFT folder (adapter_config.json + adapter_model.safetensors) by Bridge's save_hf_adapter; collective,
         rank 0 writes."""
         self.bridge.save_hf_adapter(
-            [self.gpt], str(out_dir), peft_config=self.lora, base_model_name_or_path=self.hf_folder,
+            [self.gpt],
+            str(out_dir),
+            peft_config=self.lora,
+            base_model_name_or_path=self.hf_folder,
             show_progress=False,
-        )  # fmt: skip
+        )
         return Path(out_dir)
 
 
@@ -197,8 +203,14 @@ def check_expert_export(moe: bool, adapter: AdapterSpec, layout: Layout) -> None
 
 
 def build_bridge_lora_model(
-    hf_folder: str | Path, adapter: AdapterSpec, layout: Layout, *, seed: int = 0, routing_replay: bool = False,
-    recompute: bool = False, allow_expert_ep: bool = False,
+    hf_folder: str | Path,
+    adapter: AdapterSpec,
+    layout: Layout,
+    *,
+    seed: int = 0,
+    routing_replay: bool = False,
+    recompute: bool = False,
+    allow_expert_ep: bool = False,
 ) -> BridgeLoRAModel:
     """Bridge's model of ``hf_folder`` for this rank (megatron's parallel state must match ``layout``: see
     parallel.initialize) with Bridge's LoRA on ``adapter``'s targets; the adapter init draws from ``seed`` (the
@@ -246,11 +258,14 @@ class BridgeTrainer(MegatronTrainer):
     def _build_model(self, hf_config: dict) -> torch.nn.Module:
         s = self.settings
         if s.adapter.init_path:
-            raise ValueError(f"adapters.path={s.adapter.init_path!r}: lora_mode=bridge cannot start from a PEFT "
-                             "adapter (Megatron-Bridge 0.6.2 has no PEFT -> megatron import); use "
-                             "lora_mode=raw")  # fmt: skip
-        return build_bridge_lora_model(self.model_path, s.adapter, self.layout, seed=s.seed,
-                                       routing_replay=s.routing_replay, recompute=s.recompute)  # fmt: skip
+            raise ValueError(
+                f"adapters.path={s.adapter.init_path!r}: lora_mode=bridge cannot start from a PEFT "
+                "adapter (Megatron-Bridge 0.6.2 has no PEFT -> megatron import); use "
+                "lora_mode=raw"
+            )
+        return build_bridge_lora_model(
+            self.model_path, s.adapter, self.layout, seed=s.seed, routing_replay=s.routing_replay, recompute=s.recompute
+        )
 
     def _lora_parameters(self) -> list[torch.nn.Parameter]:
         return self.model.lora_parameters()
@@ -268,8 +283,10 @@ class BridgeTrainer(MegatronTrainer):
         return norm
 
     def _load_peft_state(self, state: dict[str, torch.Tensor]) -> None:
-        raise ValueError("lora_mode=bridge cannot load a PEFT adapter state (Megatron-Bridge 0.6.2 has no PEFT -> "
-                         "megatron import): train with lora_mode=raw to start from one")  # fmt: skip
+        raise ValueError(
+            "lora_mode=bridge cannot load a PEFT adapter state (Megatron-Bridge 0.6.2 has no PEFT -> "
+            "megatron import): train with lora_mode=raw to start from one"
+        )
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return self.model.adapter_state()

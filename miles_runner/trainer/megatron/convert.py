@@ -201,7 +201,7 @@ def _hf_sources(name: str, hf_config: dict) -> list[str]:
     match = _LAYER.match(name)
     if match is None:
         raise ValueError(f"no HF counterpart known for megatron parameter {name!r}")
-    module, leaf = name[match.end():].rsplit(".", 1)
+    module, leaf = name[match.end() :].rsplit(".", 1)
     if module in layer_norms:
         return [f"model.layers.{match.group(1)}.{layer_norms[module]}.{leaf}"]
     return hf_names(name)
@@ -269,8 +269,11 @@ class _LazyHF(dict):
         from safetensors import safe_open
 
         index = folder / "model.safetensors.index.json"
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-                 else ["model.safetensors"])
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
+            else ["model.safetensors"]
+        )
         self.handles = {}
         for file in files:
             handle = safe_open(str(folder / file), "pt")
@@ -297,14 +300,18 @@ def load_hf_checkpoint(model: MegatronCausalLM, folder: str | Path) -> None:
                 raise ValueError(f"{folder}: no tensor {missing} in the checkpoint (for {place.global_name})") from None
             local = full if place.dim is None else shard(place.global_name, full, place.rank, place.size, place.dim)
             if local.shape != parameter.shape:
-                raise ValueError(f"{folder}: {place.global_name} shard has shape {tuple(local.shape)}, the model "
-                                 f"expects {tuple(parameter.shape)}")
+                raise ValueError(
+                    f"{folder}: {place.global_name} shard has shape {tuple(local.shape)}, the model "
+                    f"expects {tuple(parameter.shape)}"
+                )
             parameter.copy_(local)
     expected = {source for name in megatron_names(model.hf_config) for source in _hf_sources(name, model.hf_config)}
     unused = set(hf.handles) - expected - {"lm_head.weight"}  # a tied model's checkpoint may still carry lm_head
     if unused:
-        raise ValueError(f"{folder}: tensors the megatron {model.hf_config['model_type']} model has no place for: "
-                         f"{sorted(unused)[:5]}")
+        raise ValueError(
+            f"{folder}: tensors the megatron {model.hf_config['model_type']} model has no place for: "
+            f"{sorted(unused)[:5]}"
+        )
 
 
 def _gather(tensor: Tensor, group, size: int) -> list[Tensor]:

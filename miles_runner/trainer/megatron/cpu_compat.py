@@ -156,9 +156,14 @@ class Adaptation:
 
 ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation(adapt_current_device, (("torch.cuda", "current_device"),)),
-    Adaptation(adapt_rng_tracker, (("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"),
-                                   ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
-                                   ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"))),
+    Adaptation(
+        adapt_rng_tracker,
+        (
+            ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"),
+            ("megatron.core.tensor_parallel.random", "initialize_rng_tracker"),
+            ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed"),
+        ),
+    ),
     Adaptation(adapt_sequence_parallel_norm, (("megatron.core.transformer.torch_norm", "WrappedTorchNorm"),)),
     # the router's gating function is what reads te_general_gemm
     Adaptation(adapt_te_general_gemm, (("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction"),)),

@@ -138,15 +138,21 @@ def check_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     expected = expected_shapes(model)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing:
-        raise ValueError(f"adapter state lacks {missing[0]} (and {len(missing) - 1} more) that this model's LoRA "
-                         f"(rank, targets) needs")  # fmt: skip
+        raise ValueError(
+            f"adapter state lacks {missing[0]} (and {len(missing) - 1} more) that this model's LoRA "
+            f"(rank, targets) needs"
+        )
     if unexpected:
-        raise ValueError(f"adapter state has {unexpected[0]} (and {len(unexpected) - 1} more), which this model's "
-                         "LoRA does not have: a different target_modules or model")  # fmt: skip
+        raise ValueError(
+            f"adapter state has {unexpected[0]} (and {len(unexpected) - 1} more), which this model's "
+            "LoRA does not have: a different target_modules or model"
+        )
     for name, shape in expected.items():
         if tuple(state[name].shape) != shape:
-            raise ValueError(f"adapter tensor {name} has shape {tuple(state[name].shape)}, this model's LoRA needs "
-                             f"{shape}: a different rank or model")  # fmt: skip
+            raise ValueError(
+                f"adapter tensor {name} has shape {tuple(state[name].shape)}, this model's LoRA needs "
+                f"{shape}: a different rank or model"
+            )
 
 
 def load_peft_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -175,7 +181,9 @@ def _dense_full(lora: ParallelLoRA, hf_config: dict, state: dict[str, torch.Tens
     full_a = state[f"{modules[0]}.lora_A.weight"]
     for module in modules[1:]:
         if not torch.equal(state[f"{module}.lora_A.weight"], full_a):
-            raise ValueError(f"adapter tensor {module}.lora_A.weight differs from {modules[0]}.lora_A.weight: "
-                             f"megatron fuses them into {lora.site.module}, whose LoRA has one A")  # fmt: skip
+            raise ValueError(
+                f"adapter tensor {module}.lora_A.weight differs from {modules[0]}.lora_A.weight: "
+                f"megatron fuses them into {lora.site.module}, whose LoRA has one A"
+            )
     parts = {m[len(PREFIX) :]: state[f"{m}.lora_B.weight"] for m in modules}
     return full_a, fuse_rows(lora.site.megatron_name, parts, hf_config)

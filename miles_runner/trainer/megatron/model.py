@@ -214,8 +214,9 @@ class MegatronCausalLM(torch.nn.Module):
                 found.append((index, router))
         return found
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                segment_ids: Tensor | None = None) -> SimpleNamespace:  # fmt: skip
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, segment_ids: Tensor | None = None
+    ) -> SimpleNamespace:
         """Logits ``[B, L, V]`` of right-padded rows (``attention_mask``), or of packed rows (``segment_ids``:
         the sample each token belongs to, -1 for padding); neither: every token is real."""
         if attention_mask is not None and segment_ids is not None:
@@ -243,8 +244,9 @@ class MegatronCausalLM(torch.nn.Module):
             return
         routes = active.routes
         if tuple(routes.shape[:2]) != (batch, width):
-            raise ValueError(f"routing replay: routes for {tuple(routes.shape[:2])} (rows, tokens), a forward of "
-                             f"{(batch, width)}")
+            raise ValueError(
+                f"routing replay: routes for {tuple(routes.shape[:2])} (rows, tokens), a forward of {(batch, width)}"
+            )
         top_k = routes.shape[3]
         routes = F.pad(routes, (0, 0, 0, 0, 0, pad), value=NO_ROW)
         routes = _local_sequence(routes, self.layout).transpose(0, 1)  # [S_local, B, num_layers, top_k]
@@ -286,8 +288,9 @@ def _local_sequence(routes: Tensor, layout: Layout) -> Tensor:
     return routes.chunk(layout.tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
 
 
-def build_model(hf_config: dict, layout: Layout, *, routing_replay: bool = False,
-                recompute: bool = False) -> MegatronCausalLM:  # fmt: skip
+def build_model(
+    hf_config: dict, layout: Layout, *, routing_replay: bool = False, recompute: bool = False
+) -> MegatronCausalLM:
     """The megatron model of ``hf_config`` for this rank (megatron's parallel state must match ``layout``; see
     parallel.initialize), randomly initialised: load weights with convert.load_hf_checkpoint. ``recompute``:
     activation recomputation of every decoder layer."""
@@ -320,8 +323,7 @@ def enable_routing_replay(model: MegatronCausalLM) -> None:
     model build_model made, or Megatron-Bridge's GPTModel in one); ValueError for a model without routers."""
     routers = model.routers()
     if not routers:
-        raise ValueError(f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} is "
-                         "dense")  # fmt: skip
+        raise ValueError(f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} is dense")
     for _, router in routers:
         router.router_replay = RouteReplay()
     model.routing_replay = True
@@ -368,10 +370,15 @@ def routing_layout(model: MegatronCausalLM) -> RoutingLayout:
     read from the GPTModel's TransformerConfig, so a model Megatron-Bridge built from any HF family answers too."""
     config = model.gpt.config
     if not config.num_moe_experts:
-        raise ValueError(f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} has "
-                         "no router")  # fmt: skip
-    return RoutingLayout(num_layers=config.num_layers, top_k=config.moe_router_topk,
-                         num_experts=config.num_moe_experts, moe_layers=routed_layers(config))  # fmt: skip
+        raise ValueError(
+            f"routing replay needs a MoE model; model_type {model.hf_config.get('model_type')!r} has no router"
+        )
+    return RoutingLayout(
+        num_layers=config.num_layers,
+        top_k=config.moe_router_topk,
+        num_experts=config.num_moe_experts,
+        moe_layers=routed_layers(config),
+    )
 
 
 def routed_layers(config: Any) -> tuple[int, ...]:
@@ -395,8 +402,10 @@ def replay_routing(model: MegatronCausalLM, routes: Tensor | None, stats: Replay
 @contextmanager
 def _replaying(model: MegatronCausalLM, routes: Tensor, stats: ReplayStats | None) -> Iterator[None]:
     if not model.routing_replay:
-        raise ValueError("routing replay: build the model with build_model(..., routing_replay=True) or call "
-                         "enable_routing_replay(model) first")  # fmt: skip
+        raise ValueError(
+            "routing replay: build the model with build_model(..., routing_replay=True) or call "
+            "enable_routing_replay(model) first"
+        )
     if model._replay is not None:
         if model._replay.routes is not routes:
             raise ValueError("routing replay: a forward with other routes inside a replay of this batch")

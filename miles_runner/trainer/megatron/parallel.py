@@ -40,8 +40,10 @@ class Layout:
         and it is exact for dense models too)."""
         parallel = plan.trainer.parallel
         if getattr(parallel, "cp", 1) != 1:
-            raise ValueError(f"trainer.parallel.cp = {parallel.cp}: the megatron trainer has no context parallelism "
-                             "on its local layer spec; use cp=1")
+            raise ValueError(
+                f"trainer.parallel.cp = {parallel.cp}: the megatron trainer has no context parallelism "
+                "on its local layer spec; use cp=1"
+            )
         return cls(tp=parallel.tp, ep=parallel.ep, etp=parallel.etp, pp=parallel.pp, sp=parallel.tp > 1)
 
     def model_parallel_size(self) -> int:

@@ -55,9 +55,14 @@ from miles_runner.trainer.megatron.convert import shard, unshard
 # The HF projections each fused megatron linear holds (the plan's megatron-lora-fused-targets checks the same groups).
 FUSED_GROUPS: dict[str, tuple[str, ...]] = dict(zip(("linear_qkv", "linear_fc1"), FUSED_TARGET_GROUPS, strict=True))
 HF_TO_MEGATRON: dict[str, str] = {
-    "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
-}  # fmt: skip
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
@@ -85,13 +90,17 @@ def megatron_targets(target_modules: list[str]) -> set[str]:
     """The megatron modules an HF target list names; unknown names and partial fused groups are refused."""
     unknown = sorted(set(target_modules) - set(HF_TO_MEGATRON))
     if unknown:
-        raise ValueError(f"adapter.target_modules {unknown} have no megatron LoRA target (lora_mode=raw and "
-                         f"bridge map the same names; supported: {sorted(HF_TO_MEGATRON)})")  # fmt: skip
+        raise ValueError(
+            f"adapter.target_modules {unknown} have no megatron LoRA target (lora_mode=raw and "
+            f"bridge map the same names; supported: {sorted(HF_TO_MEGATRON)})"
+        )
     for module, group in FUSED_GROUPS.items():
         named = [name for name in group if name in target_modules]
         if named and len(named) != len(group):
-            raise ValueError(f"adapter.target_modules names {named} but not all of {list(group)}: megatron fuses "
-                             f"them into {module}, whose LoRA covers the whole group; list all or none")  # fmt: skip
+            raise ValueError(
+                f"adapter.target_modules names {named} but not all of {list(group)}: megatron fuses "
+                f"them into {module}, whose LoRA covers the whole group; list all or none"
+            )
     return {HF_TO_MEGATRON[name] for name in target_modules}
 
 
@@ -108,8 +117,10 @@ class ParallelLoRA(torch.nn.Module):
         self.tp_group = base.tp_group
         self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         if site.expert is not None and self.tp_size > 1:
-            raise ValueError(f"{site.megatron_name}: expert LoRA with expert_tensor_parallel_size {self.tp_size} > 1 "
-                             "is not supported by lora_mode=raw; use trainer.parallel.etp=1")  # fmt: skip
+            raise ValueError(
+                f"{site.megatron_name}: expert LoRA with expert_tensor_parallel_size {self.tp_size} > 1 "
+                "is not supported by lora_mode=raw; use trainer.parallel.etp=1"
+            )
         self.communicates = self.tp_size > 1 and not base.explicit_expert_comm
         self.sequence_parallel = self.communicates and bool(base.sequence_parallel)
         self.in_features, self.out_features = base.input_size, base.output_size

@@ -42,8 +42,15 @@ from miles_runner.trainer.routing_replay import check_routed_experts
 class MegatronTrainer:
     """One rank of the Megatron trainer; every rank makes every call (trainer/ranks.py replays rank 0's)."""
 
-    def __init__(self, model_path: str | Path, settings: TrainerSettings, layout: parallel.Layout,
-                 *, qkv_format: str = "thd", device: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | Path,
+        settings: TrainerSettings,
+        layout: parallel.Layout,
+        *,
+        qkv_format: str = "thd",
+        device: torch.device | None = None,
+    ) -> None:
         apply_cpu_adaptations()
         parallel.initialize(layout)
         self.settings, self.layout, self.model_path = settings, layout, str(model_path)
@@ -98,8 +105,12 @@ class MegatronTrainer:
 
     def _micro_batches(self, batch: TokenBatch, rows: list[int]) -> list[list[int]]:
         every_row = row_lengths(batch)
-        return agreed_micro_batches([every_row[r] for r in rows], size=self.settings.micro_batch_size,
-                                    max_tokens=self.settings.max_tokens_per_micro_batch, world_size=self.world_size)
+        return agreed_micro_batches(
+            [every_row[r] for r in rows],
+            size=self.settings.micro_batch_size,
+            max_tokens=self.settings.max_tokens_per_micro_batch,
+            world_size=self.world_size,
+        )
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
@@ -137,8 +148,9 @@ class MegatronTrainer:
         rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])
         gbs = s.global_batch_size or len(samples)
         if len(samples) % gbs or gbs % self.dp_size:
-            raise ValueError(f"{len(samples)} samples, global batch {gbs} and {self.dp_size} data-parallel ranks "
-                             "do not divide")  # fmt: skip
+            raise ValueError(
+                f"{len(samples)} samples, global batch {gbs} and {self.dp_size} data-parallel ranks do not divide"
+            )
         means = MetricMeans()
         step_chunks = [range(i, i + gbs) for i in range(0, len(samples), gbs)]
         local_all = self._local(range(len(samples)))
@@ -161,14 +173,30 @@ class MegatronTrainer:
     _old_log_probs = FSDPTrainer._old_log_probs
     _reward_kl = FSDPTrainer._reward_kl
 
-    def _optimizer_step(self, full: TokenBatch, rows: list[int], advantages: torch.Tensor,
-                        old: torch.Tensor | None, ref: torch.Tensor | None, means: MetricMeans) -> None:
+    def _optimizer_step(
+        self,
+        full: TokenBatch,
+        rows: list[int],
+        advantages: torch.Tensor,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        means: MetricMeans,
+    ) -> None:
         self.optimizer.zero_grad(set_to_none=False)
         accumulate_policy_gradients(
-            self.net, full, rows, advantages, old, ref, self.loss_config, means,
-            temperature=self.settings.temperature, micro_batches=self._micro_batches(full, rows),
-            normalizer=self._normalizer(full, rows), cut=self.settings.max_tokens_per_micro_batch > 0,
-        )  # fmt: skip
+            self.net,
+            full,
+            rows,
+            advantages,
+            old,
+            ref,
+            self.loss_config,
+            means,
+            temperature=self.settings.temperature,
+            micro_batches=self._micro_batches(full, rows),
+            normalizer=self._normalizer(full, rows),
+            cut=self.settings.max_tokens_per_micro_batch > 0,
+        )
         grad_norm = self._complete_grads()
         self.optimizer.step()
         self.step += 1
@@ -245,8 +273,10 @@ class MegatronTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("layout")
         if saved != self._layout_record():
-            raise ValueError(f"the checkpoint was written with trainer layout {saved}; this run is "
-                             f"{self._layout_record()}: resume with the same TP/EP/PP and rank count")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint was written with trainer layout {saved}; this run is "
+                f"{self._layout_record()}: resume with the same TP/EP/PP and rank count"
+            )
         shards, params = state["lora_by_rank"][self.rank], dict(self.model.named_parameters())
         if set(shards) != {name for name, p in params.items() if p.requires_grad}:
             raise ValueError(f"the checkpoint's LoRA tensors {sorted(shards)[:3]}... are not this model's adapter")

@@ -103,8 +103,9 @@ def run_case(model_path: str, layout: parallel.Layout) -> dict:
     model = build_model(hf_config, layout, routing_replay=moe)
     convert.load_hf_checkpoint(model, model_path)
     exported, checkpoint = convert.export_hf_state(model), load_file(Path(model_path) / "model.safetensors")
-    inexact = sorted(set(exported) ^ set(checkpoint)) + [k for k in checkpoint if not torch.equal(exported[k],
-                                                                                               checkpoint[k])]
+    inexact = sorted(set(exported) ^ set(checkpoint)) + [
+        k for k in checkpoint if not torch.equal(exported[k], checkpoint[k])
+    ]
     ids, mask = batch(hf_config["vocab_size"])
     local_ids, local_mask = _dp_rows(ids), _dp_rows(mask)
     logits = model(input_ids=local_ids, attention_mask=local_mask).logits

@@ -27,9 +27,19 @@ ROWS, WIDTH, VOCAB = 4, 12, 400
 
 
 def adapter_spec(rank: int = 4, alpha: float = 8.0, targets: list[str] | None = None) -> AdapterSpec:
-    return AdapterSpec(name="policy", lora_name="policy", rank=rank, alpha=alpha, dropout=0.0,
-                       target_modules=list(targets or TARGETS), task="t", reward="r", lr=1.0,
-                       rollout_batch_size=1, n_samples_per_prompt=1)  # fmt: skip
+    return AdapterSpec(
+        name="policy",
+        lora_name="policy",
+        rank=rank,
+        alpha=alpha,
+        dropout=0.0,
+        target_modules=list(targets or TARGETS),
+        task="t",
+        reward="r",
+        lr=1.0,
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+    )
 
 
 def nonzero_start(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

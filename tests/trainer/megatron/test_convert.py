@@ -46,8 +46,9 @@ def logit_diff(megatron_model, hf_model, vocab: int) -> float:
 
 
 @pytest.mark.parametrize("name", ["moe", "dense"])
-def test_megatron_logits_equal_the_hf_model_and_the_export_is_bit_exact(megatron_world, name, tiny_moe_path,
-                                                                         tiny_dense_path):
+def test_megatron_logits_equal_the_hf_model_and_the_export_is_bit_exact(
+    megatron_world, name, tiny_moe_path, tiny_dense_path
+):
     folder = tiny_moe_path if name == "moe" else tiny_dense_path
     model = loaded(folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -58,9 +59,17 @@ def test_megatron_logits_equal_the_hf_model_and_the_export_is_bit_exact(megatron
 
 
 def random_qwen2(tied: bool) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=1e6,
-                         tie_word_embeddings=tied)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=1e6,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).float()
     with torch.no_grad():  # HF initialises biases and norms to constants: make every tensor tell its place
@@ -95,10 +104,21 @@ def test_qwen2_megatron_to_hf(megatron_world, tied):
 
 def test_a_qwen3_moe_with_a_dense_layer_and_unnormalised_top_k(megatron_world, tmp_path):
     # mlp_only_layers keeps layer 1 dense; norm_topk_prob=False weighs experts by their plain softmax probability
-    config = Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
-                            tie_word_embeddings=False)
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.save_pretrained(tmp_path)
@@ -120,8 +140,10 @@ def test_an_unknown_model_type_names_the_supported_ones(megatron_world):
 def test_a_checkpoint_missing_or_adding_a_tensor_is_named(megatron_world, tiny_dense_path, tmp_path):
     state = load_file(Path(tiny_dense_path) / "model.safetensors")
     (tmp_path / "config.json").write_text((Path(tiny_dense_path) / "config.json").read_text())
-    save_file({k: v for k, v in state.items() if k != "model.layers.1.self_attn.k_proj.weight"},
-              tmp_path / "model.safetensors")
+    save_file(
+        {k: v for k, v in state.items() if k != "model.layers.1.self_attn.k_proj.weight"},
+        tmp_path / "model.safetensors",
+    )
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
         loaded(tmp_path)
     save_file({**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, tmp_path / "model.safetensors")

@@ -72,8 +72,14 @@ def test_a_sequence_parallel_norm_is_built_and_tagged():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cpu_compat.apply_cpu_adaptations()
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
-                               tensor_model_parallel_size=2, sequence_parallel=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization="RMSNorm",
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )
     norm = WrappedTorchNorm(config, 8, eps=1e-6)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
     assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())

@@ -44,8 +44,9 @@ def plan() -> Plan:
 @pytest.fixture(scope="module")
 def adapter_dir(plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = plan.adapters[0]
-    return save_fused_adapter(plan.model_path, tmp_path_factory.mktemp("fused") / "adapter", rank=spec.rank,
-                              alpha=spec.alpha)  # fmt: skip
+    return save_fused_adapter(
+        plan.model_path, tmp_path_factory.mktemp("fused") / "adapter", rank=spec.rank, alpha=spec.alpha
+    )
 
 
 async def load_adapter(url: str, folder: Path) -> None:
@@ -81,8 +82,11 @@ def test_adapter_log_probs_are_the_engines(plan, adapter_dir, rollouts):
     trainer = megatron_trainer(plan.model_path, settings)
     gap = logprob_gap(trainer, rollouts["adapter"])
     base = trainer.compute_log_probs(rollouts["adapter"], adapter=False)
-    base_gap = max(abs(a - b) for ours, s in zip(base, rollouts["adapter"], strict=True)
-                   for a, b in zip(ours, s.rollout_log_probs, strict=True))  # fmt: skip
+    base_gap = max(
+        abs(a - b)
+        for ours, s in zip(base, rollouts["adapter"], strict=True)
+        for a, b in zip(ours, s.rollout_log_probs, strict=True)
+    )
     print(f"adapter |trainer - engine| log-prob: {gap}; the base model's max {base_gap:.3g}")
     assert gap["max"] < TOLERANCE
     assert base_gap > 100 * TOLERANCE, "the engine's rollouts did not use the adapter: nothing was compared"

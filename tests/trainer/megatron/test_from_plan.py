@@ -15,14 +15,16 @@ from miles_runner.trainer.megatron.trainer import MegatronTrainer
 from miles_runner.trainer.ranks import build_trainer
 
 ONE_RANK = ("topology.actor_num_gpus_per_node=1",)
-SAMPLES = [Sample([1, 60, 61, 62, 70 + k, 2], 2, [1, 1], [], None, SampleStatus.COMPLETED, reward=float(k))
-           for k in range(2)]  # fmt: skip
+SAMPLES = [
+    Sample([1, 60, 61, 62, 70 + k, 2], 2, [1, 1], [], None, SampleStatus.COMPLETED, reward=float(k)) for k in range(2)
+]
 
 
 def test_trainer_backend_picks_the_trainer_the_plan_runs():
     ensure_format_pretrained("tiny-moe")
-    megatron_plan = compile_plan(compose([*ONE_RANK, "trainer=megatron", "lora_mode=raw",
-                                          "trainer.parallel.qkv_format=bshd"]))  # fmt: skip
+    megatron_plan = compile_plan(
+        compose([*ONE_RANK, "trainer=megatron", "lora_mode=raw", "trainer.parallel.qkv_format=bshd"])
+    )
     ours = build_trainer(megatron_plan)
     assert isinstance(ours, MegatronTrainer)
     assert ours.layout == parallel.Layout.from_plan(megatron_plan) and ours.net.qkv_format == "bshd"

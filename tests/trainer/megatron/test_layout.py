@@ -14,8 +14,9 @@ from miles_runner.trainer.megatron.parallel import Layout
 def plan_with(**sizes) -> SimpleNamespace:
     shape = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 1, **sizes}
     world = shape["tp"] * shape["pp"] * shape["cp"] * shape["dp"]
-    return SimpleNamespace(trainer=SimpleNamespace(parallel=Parallelism(
-        **shape, world_size=world, micro_batch_size=1, qkv_format="thd")))
+    return SimpleNamespace(
+        trainer=SimpleNamespace(parallel=Parallelism(**shape, world_size=world, micro_batch_size=1, qkv_format="thd"))
+    )
 
 
 def test_the_plans_parallelism_is_the_layout_with_sequence_parallel_under_tp():

@@ -24,9 +24,15 @@ from tests.loops.recipe_runs import miles_run, recipe_command, records, run_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-GREEDY = ("trainer=megatron", "lora_mode=raw", "rollout.top_k=1", "rollout.n_samples_per_prompt=1",
-          "algorithm.advantage_estimator=reinforce_plus_plus", "rollout.rollout_batch_size=8",
-          "trainer.parallel.micro_batch_size=4")  # fmt: skip
+GREEDY = (
+    "trainer=megatron",
+    "lora_mode=raw",
+    "rollout.top_k=1",
+    "rollout.n_samples_per_prompt=1",
+    "algorithm.advantage_estimator=reinforce_plus_plus",
+    "rollout.rollout_batch_size=8",
+    "trainer.parallel.micro_batch_size=4",
+)
 TWO_RANKS = ("trainer.parallel.tp=2", "trainer.parallel.ep=2", "topology.actor_num_gpus_per_node=2")
 
 
@@ -86,8 +92,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_no_step_lost_or_repeated(t
     # Four steps: on an idle machine a step takes about 0.2 s, so the kill after the second record can land
     # after the third; the fourth is then still ahead (the FSDP twin in tests/loops/test_driver.py does the same).
     shape = (*GREEDY, "algorithm.num_steps=4", "checkpoint.interval=1")
-    first = subprocess.Popen(recipe_command(tmp_path, *shape), env=run_env(fault=False), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.Popen(
+        recipe_command(tmp_path, *shape), env=run_env(fault=False), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 300
         while len(records(tmp_path)) < 2 and first.poll() is None and time.monotonic() < deadline:

@@ -22,8 +22,9 @@ def model(tiny_moe_path):
     from miles_runner.trainer.megatron.convert import load_hf_checkpoint
 
     parallel.initialize(parallel.Layout())
-    ours = build_model(json.loads((Path(tiny_moe_path) / "config.json").read_text()), parallel.Layout(),
-                       routing_replay=True)  # fmt: skip
+    ours = build_model(
+        json.loads((Path(tiny_moe_path) / "config.json").read_text()), parallel.Layout(), routing_replay=True
+    )
     load_hf_checkpoint(ours, tiny_moe_path)
     yield ours
     parallel.destroy()

@@ -181,8 +181,12 @@ def test_embedded_engine_serves_the_export_with_the_megatron_log_probs(tmp_path)
             loaded = http.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": str(peft_dir)})
             assert loaded.status_code == 200, loaded.text
             prompt = IDS[0].tolist()
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
-                    "lora_path": "policy", "return_logprob": True}  # fmt: skip
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                "lora_path": "policy",
+                "return_logprob": True,
+            }
             reply = http.post("/generate", json=body)
             assert reply.status_code == 200, reply.text
     finally:

@@ -29,8 +29,10 @@ SGD = OptimizerConfig(name="sgd", lr=0.5, clip_grad=1e9)
 
 
 def samples(rewards=REWARDS) -> list[Sample]:
-    return [Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
-            for r, w in zip(RESPONSES, rewards, strict=True)]  # fmt: skip
+    return [
+        Sample(PROMPT + r, len(r), [1] * len(r), [], None, SampleStatus.COMPLETED, reward=w)
+        for r, w in zip(RESPONSES, rewards, strict=True)
+    ]
 
 
 def settings_from(start: Path | None = None, **overrides):

@@ -18,8 +18,9 @@ from tests.trainer.megatron.test_trainer import samples, settings_from
 
 def main(model_path: str, start: str, layout: str, qkv_format: str, out_file: str) -> None:
     dist.init_process_group("gloo")
-    trainer = MegatronTrainer(model_path, settings_from(Path(start)), parallel.Layout(**json.loads(layout)),
-                              qkv_format=qkv_format)  # fmt: skip
+    trainer = MegatronTrainer(
+        model_path, settings_from(Path(start)), parallel.Layout(**json.loads(layout)), qkv_format=qkv_format
+    )
     metrics = trainer.train(samples())
     state = trainer.adapter_state()
     if dist.get_rank() == 0:

@@ -22,9 +22,19 @@ STEPS = 2  # B starts at zero, so A's gradient is zero in the first step: the se
 
 
 def adapter(targets: list[str] = ALL_TARGETS, rank: int = 4, alpha: float = 8.0) -> AdapterSpec:
-    return AdapterSpec(name="bridge", lora_name="bridge", rank=rank, alpha=alpha, dropout=0.0,
-                       target_modules=list(targets), task="test", reward="test", lr=LR, rollout_batch_size=1,
-                       n_samples_per_prompt=1)  # fmt: skip
+    return AdapterSpec(
+        name="bridge",
+        lora_name="bridge",
+        rank=rank,
+        alpha=alpha,
+        dropout=0.0,
+        target_modules=list(targets),
+        task="test",
+        reward="test",
+        lr=LR,
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+    )
 
 
 def dp_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,14 +64,21 @@ def sgd_step(model, ids: torch.Tensor, mask: torch.Tensor, routes: torch.Tensor 
     return float(loss.detach())
 
 
-def run_case(model_path: str, layout: parallel.Layout, export_dir: Path, targets: list[str] = ALL_TARGETS,
-             allow_expert_ep: bool = False, replay: bool = False) -> dict:  # fmt: skip
+def run_case(
+    model_path: str,
+    layout: parallel.Layout,
+    export_dir: Path,
+    targets: list[str] = ALL_TARGETS,
+    allow_expert_ep: bool = False,
+    replay: bool = False,
+) -> dict:
     from miles_runner.trainer.megatron.bridge import build_bridge_lora_model
     from miles_runner.trainer.megatron.model import routing_layout
 
     parallel.initialize(layout)
-    model = build_bridge_lora_model(model_path, adapter(targets), layout, seed=0, allow_expert_ep=allow_expert_ep,
-                                    routing_replay=replay)  # fmt: skip
+    model = build_bridge_lora_model(
+        model_path, adapter(targets), layout, seed=0, allow_expert_ep=allow_expert_ep, routing_replay=replay
+    )
     ids, mask = batch(model.vocab_size)
     routes = None
     if replay:
@@ -78,5 +95,12 @@ def run_case(model_path: str, layout: parallel.Layout, export_dir: Path, targets
             disabled_logits = logits_of(model, ids, mask, routes)
     model.export_adapter(export_dir)
     parallel.destroy()
-    return {"initial_logits": initial_logits, "start": start, "after": after, "losses": losses, "logits": logits,
-            "disabled_logits": disabled_logits, "export_dir": str(export_dir)}  # fmt: skip
+    return {
+        "initial_logits": initial_logits,
+        "start": start,
+        "after": after,
+        "losses": losses,
+        "logits": logits,
+        "disabled_logits": disabled_logits,
+        "export_dir": str(export_dir),
+    }

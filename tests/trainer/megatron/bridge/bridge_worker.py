@@ -19,8 +19,7 @@ def main(out_dir: str, cases: str) -> None:
     results = {}
     for case in json.loads(cases):
         export_dir = Path(out_dir) / case["name"]
-        results[case["name"]] = run_case(case["model"], Layout(**case["layout"]), export_dir,
-                                          **case.get("options", {}))  # fmt: skip
+        results[case["name"]] = run_case(case["model"], Layout(**case["layout"]), export_dir, **case.get("options", {}))
     torch.save(results, Path(out_dir) / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 

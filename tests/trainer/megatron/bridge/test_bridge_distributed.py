@@ -27,11 +27,25 @@ PARITY_CASES = [  # (case, the one_rank reference)
     ({"name": "dense_tp2_sp", "model": "tiny-dense", "layout": {"tp": 2, "sp": True}}, "tiny-dense"),
     ({"name": "dense_dp2", "model": "tiny-dense", "layout": {}}, "tiny-dense"),
     ({"name": "moe_tp2_sp", "model": "tiny-moe", "layout": {"tp": 2, "sp": True}}, "tiny-moe"),
-    ({"name": "moe_ep2_attention", "model": "tiny-moe", "layout": {"ep": 2},
-      "options": {"targets": ATTENTION_TARGETS}}, "tiny-moe-attention"),
-    ({"name": "moe_tp2_sp_replay", "model": "tiny-moe", "layout": {"tp": 2, "sp": True},
-      "options": {"replay": True}}, "tiny-moe-replay"),
-]  # fmt: skip
+    (
+        {
+            "name": "moe_ep2_attention",
+            "model": "tiny-moe",
+            "layout": {"ep": 2},
+            "options": {"targets": ATTENTION_TARGETS},
+        },
+        "tiny-moe-attention",
+    ),
+    (
+        {
+            "name": "moe_tp2_sp_replay",
+            "model": "tiny-moe",
+            "layout": {"tp": 2, "sp": True},
+            "options": {"replay": True},
+        },
+        "tiny-moe-replay",
+    ),
+]
 
 
 def run_two_ranks(out_dir: Path, cases: list[dict], paths: dict[str, str]) -> list[dict]:
@@ -74,8 +88,12 @@ def test_two_ranks_train_and_export_the_adapter_of_one_process(two_ranks, one_ra
     assert losses.tolist() == pytest.approx(reference["losses"], rel=1e-5)
     exported = out_dir / case["name"]
     one_process = Path(reference["export_dir"])
-    assert max_diff(load_file(exported / "adapter_model.safetensors"),
-                    load_file(one_process / "adapter_model.safetensors")) < 1e-6  # fmt: skip
+    assert (
+        max_diff(
+            load_file(exported / "adapter_model.safetensors"), load_file(one_process / "adapter_model.safetensors")
+        )
+        < 1e-6
+    )
     config = json.loads((exported / "adapter_config.json").read_text())
     assert config == json.loads((one_process / "adapter_config.json").read_text())
 

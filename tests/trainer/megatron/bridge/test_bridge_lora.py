@@ -80,8 +80,10 @@ def test_save_hf_adapter_loads_in_the_embedded_engine(case):
     path, result, ids, mask = case
     runner = ModelRunner(path, enable_lora=True, lora_target_modules=ALL_TARGETS)
     runner.load_adapter_from_path("bridge", result["export_dir"])
-    rows = [RowInput(cache=None, cache_len=0, new_tokens=row[m.bool()].tolist(), adapter="bridge", all_logits=True)
-            for row, m in zip(ids, mask, strict=True)]  # fmt: skip
+    rows = [
+        RowInput(cache=None, cache_len=0, new_tokens=row[m.bool()].tolist(), adapter="bridge", all_logits=True)
+        for row, m in zip(ids, mask, strict=True)
+    ]
     for out, row_logits, m in zip(runner.forward(rows, pad_id=0), result["logits"], mask, strict=True):
         assert float((out.logits - row_logits[m.bool()]).abs().max()) < TOLERANCE
 

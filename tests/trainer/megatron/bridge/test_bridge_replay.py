@@ -96,8 +96,10 @@ def test_recomputed_layers_route_in_the_backward_as_their_forward_did(models, ro
     from miles_runner.trainer.megatron import parallel
     from miles_runner.trainer.megatron.bridge import build_bridge_lora_model
 
-    plain, recomputing = (build_bridge_lora_model(tiny_moe_path, adapter(), parallel.Layout(), routing_replay=True,
-                                                  recompute=recompute) for recompute in (False, True))  # fmt: skip
+    plain, recomputing = (
+        build_bridge_lora_model(tiny_moe_path, adapter(), parallel.Layout(), routing_replay=True, recompute=recompute)
+        for recompute in (False, True)
+    )
     with torch.no_grad():  # B starts at zero: the same nonzero adapter on both, so every LoRA tensor gets a gradient
         for ours, theirs in zip(plain.lora_parameters(), recomputing.lora_parameters(), strict=True):
             ours.copy_(torch.randn_like(ours) * 0.1)

@@ -23,8 +23,9 @@ def bridge_trainer(model_path: str, settings, qkv_format: str = "thd"):
 
 
 @pytest.mark.parametrize("qkv_format", ["thd", "bshd"])
-def test_a_step_trains_and_the_saved_adapter_gives_the_fsdp_trainer_the_same_log_probs(tiny_moe_path, tmp_path,
-                                                                                       qkv_format):  # fmt: skip
+def test_a_step_trains_and_the_saved_adapter_gives_the_fsdp_trainer_the_same_log_probs(
+    tiny_moe_path, tmp_path, qkv_format
+):
     from safetensors.torch import load_file
 
     from miles_runner.trainer.fsdp import FSDPTrainer
@@ -41,8 +42,11 @@ def test_a_step_trains_and_the_saved_adapter_gives_the_fsdp_trainer_the_same_log
     assert sorted(written) == sorted(after) and all(torch.equal(written[k], after[k]) for k in after)
     fsdp = FSDPTrainer(tiny_moe_path, settings_from(folder))
     for adapter in (True, False):
-        for a, b in zip(ours.compute_log_probs(samples(), adapter=adapter),
-                        fsdp.compute_log_probs(samples(), adapter=adapter), strict=True):  # fmt: skip
+        for a, b in zip(
+            ours.compute_log_probs(samples(), adapter=adapter),
+            fsdp.compute_log_probs(samples(), adapter=adapter),
+            strict=True,
+        ):
             assert a == pytest.approx(b, abs=1e-5)
     assert ours.compute_log_probs(samples()) != ours.compute_log_probs(samples(), adapter=False)
 
