@@ -29,8 +29,9 @@ from miles_runner.rollout.context import RolloutContext
 from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.sglang_client.engine_pool import EnginePool
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+from miles_runner.trainer.fsdp import FSDPTrainer
 from miles_runner.trainer.logprobs import pack_samples, token_log_probs
+from miles_runner.trainer.policy_trainer import TrainerSettings
 from miles_runner.trainer.routing_replay import ReplayStats
 from miles_testkit.launch import start_engine
 

@@ -1,7 +1,7 @@
 """Finding a run's files while the run is still writing them.
 
 `Path.rglob` fails with FileNotFoundError when a folder it listed is gone before it looks inside: a live run's
-checkpoint is written to `checkpoints/.tmp_step_N` and renamed into place, so a search of its folder can meet one.
+checkpoint is written to `checkpoints/.step_N.staging` and renamed into place, so a search of its folder can meet one.
 os.walk passes over a folder that vanished (its error goes to `onerror`, unset), which a poll of a live run wants.
 """
 

@@ -1,4 +1,5 @@
-"""Atomic checkpoints: run_dir/checkpoints/step_N/{state.pt, meta.json}, written to a temp folder and renamed.
+"""Atomic checkpoints: run_dir/checkpoints/step_N/{state.pt, meta.json}, written to a staging folder and renamed
+(core/atomic_folder.py).
 
 A checkpoint holds everything a resumed run needs to continue as if it had never stopped: the trainer's state
 (adapter, optimizer, RNG), the next step and the data cursor. A run killed at any moment leaves either the old
@@ -8,10 +9,11 @@ latest checkpoint or the new one, never a partial one (the rename is the commit)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+from miles_runner.core.atomic_folder import replace_folder
 
 STATE = "state.pt"
 META = "meta.json"
@@ -27,18 +29,12 @@ def save_checkpoint(
     """`step` is the number of completed steps; the resumed run starts at that step index."""
     import torch
 
+    def write(folder: Path) -> None:
+        torch.save(trainer_state, folder / STATE)
+        (folder / META).write_text(json.dumps({"step": step, **meta}))
+
     root = checkpoint_dir(run_dir)
-    final = root / f"step_{step}"
-    staging = root / f".tmp_step_{step}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    torch.save(trainer_state, staging / STATE)
-    (staging / META).write_text(json.dumps({"step": step, **meta}))
-    _fsync_dir(staging)
-    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    _fsync_dir(root)
+    final = replace_folder(root / f"step_{step}", write)  # a re-save of the same step (after a resume) replaces it
     prune(root, keep_last)
     return final
 
@@ -66,11 +62,3 @@ def prune(root: Path, keep_last: int) -> None:
     steps = sorted(int(p.name.removeprefix("step_")) for p in root.glob("step_*"))
     for step in steps[: max(len(steps) - keep_last, 0)]:
         shutil.rmtree(root / f"step_{step}", ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,7 +20,8 @@ from miles_runner.core.adapters import AdapterSpec
 from miles_runner.plugins.lookup import get_reward, make_task
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+from miles_runner.trainer.fsdp import FSDPTrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The training loop (spec §7): rollout -> reward -> advantages -> train -> sync adapter -> log -> checkpoint.
+"""The training loop (docs/system.md §7): rollout -> reward -> advantages -> train -> sync adapter -> log -> checkpoint.
 
 `sync` schedule (train.py): each step generates with the weights of the last push. `async` schedule (train_async.py,
 disaggregated only): step n+1 is generated while step n trains, so its samples are at least one weight version old. The
@@ -11,6 +11,9 @@ plan.weight_sync.verify every engine's logprobs of the push probe (weight_sync/p
 still holds exactly the pushed adapter, before it trains further. An engine that dies mid-run is restarted per
 `executor.engine_restarts` (engine_restarts.py): the interrupted rollout or push runs again and each step is trained
 once; with no restarts left the run ends naming the engine.
+
+Read top to bottom: `SingleAdapterLoop.run` starts the deployment, `_train` builds the run's parts in one place (the
+`RunParts` every step uses), and `_steps` is the step loop.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
+from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
 from miles_runner.loops.engine_restarts import EngineRestarts
@@ -37,7 +42,9 @@ from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.tracking.tracker import Tracker
-from miles_runner.trainer.ranks import make_trainer
+from miles_runner.trainer.interface import Trainer
+from miles_runner.trainer.ranks import RankedTrainer, RemoteRanks, make_trainer
+from miles_runner.weight_sync.adapter_sync import SyncReport
 from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
 from miles_runner.weight_sync.sync import make_sync, share_trainer_adapter
 from miles_runner.weight_sync.verify import SyncVerificationError
@@ -80,23 +87,47 @@ def push_due(done: int, total: int, interval: int) -> bool:
     return done % interval == 0 or done == total
 
 
-class SingleAdapterLoop:
-    """One adapter trained on the plan's deployment: the sync or async schedule of spec §7."""
+@dataclass(frozen=True)
+class RunParts:
+    """What every step uses; built once, in `SingleAdapterLoop._train`."""
 
-    def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False):
+    trainer: Trainer
+    ctx: RolloutContext
+    sessions: SessionClients | None  # agentic rollouts: one connection pool to the session server for the whole run
+    stream: PromptStream  # the prompts, with the data cursor a checkpoint keeps
+    restarts: EngineRestarts  # pushes through the sync; restarts the engines that die under a rollout or a push
+    probe: PushProbe | None  # plan.weight_sync.verify: every engine scores the probe after a push
+    tracker: Tracker
+    initial_adapter: dict[str, Any]  # the trainer's adapter before step 0 (or the checkpoint's on a resume)
+    adapter_shared: bool  # the adapter's parameters live in the sync's shared memory: a push sends them as they are
+
+
+def builds_trainer_early(plan: Plan) -> bool:
+    """A CPU plan's one trainer rank loads while the engines start: both are mostly imports and a model load, each on
+    a core of its own (bench/single_turn_step.py times the start-up). Ranks in other processes need the deployment,
+    and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself. A model not on disk yet (a tiny
+    model's first run) is built by the executor as the engines start: the trainer waits for it."""
+    return plan.cluster.cpu_only and plan.trainer.parallel.world_size <= 1 and Path(plan.model_path).is_dir()
+
+
+class SingleAdapterLoop:
+    """One adapter trained on the plan's deployment: the sync or async schedule of docs/system.md §7."""
+
+    def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False) -> None:
         self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
+        self.executor = make_executor(plan, self.run_dir)
         self.freeze_adapter = FREEZE_ROLLOUT_ADAPTER in warn_fault_switches()
         self.stamps: dict[str, float] = {}  # start-up milestones (epoch seconds): RUN_DIR/startup.json
 
     def run(self) -> list[dict[str, Any]]:
+        """Start the deployment (a CPU trainer builds meanwhile), then train; returns the step records."""
         self._stamp("loop_started")
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-build") as pool:
-                early = pool.submit(self._make_trainer, None) if self._trainer_builds_early() else None
-                self.executor = make_executor(self.plan, self.run_dir)
+                early = pool.submit(self._build_trainer, None) if builds_trainer_early(self.plan) else None
                 with self.executor as deployment:
                     self._stamp("engines_ready")
-                    return asyncio.run(self._loop(deployment, early))
+                    return asyncio.run(self._train(deployment, early))
         finally:
             self._stamp("loop_ended")
             with contextlib.suppress(OSError):  # a figure for benches: never the reason a run fails
@@ -105,139 +136,115 @@ class SingleAdapterLoop:
     def _stamp(self, milestone: str) -> None:
         self.stamps.setdefault(milestone, time.time())
 
-    def _trainer_builds_early(self) -> bool:
-        """A CPU plan's one trainer rank loads while the engines start: both are mostly imports and a model load, each
-        on a core of its own (bench/single_turn_step.py's start-up figures). Ranks in other processes need the
-        deployment, and a GPU trainer waits, so that an engine sizes its memory with the GPU to itself. A model not on
-        disk yet (a tiny model's first run) is built by the executor as the engines start: the trainer waits for it."""
-        return (
-            self.plan.cluster.cpu_only
-            and self.plan.trainer.parallel.world_size <= 1
-            and Path(self.plan.model_path).is_dir()
-        )
-
-    def _make_trainer(self, remote_ranks: Any):
-        trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents
+    def _build_trainer(self, remote_ranks: RemoteRanks | None) -> RankedTrainer:
+        trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents start them
         self._stamp("trainer_built")
         return trainer
 
-    async def _loop(self, deployment, early: Future | None = None) -> list[dict[str, Any]]:
-        if early is not None:
-            trainer = await asyncio.wrap_future(early)
-        else:
-            trainer = self._make_trainer(deployment.remote_ranks)
-        self._stamp("trainer_ready")
-        try:
-            return await self._run_with(trainer, deployment)
-        finally:
-            trainer.close()  # the other trainer ranks leave
-
-    async def _run_with(self, trainer, deployment) -> list[dict[str, Any]]:
-        plan = self.plan
-        key = deployment.api_key  # the run's key: every server requires it
-        engines = [EngineClient(url, api_key=key) for url in deployment.engine_urls]
-        rollout_client = rollout_engines(plan, deployment.engine_urls, api_key=key)  # groups spread over the engines
-        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url, api_key=key)
-        # One connection pool to the session server for the whole run: every rollout reuses its connections.
-        self.session_clients = SessionClients(str(ctx.session_url), api_key=key) if ctx.session_url else None
-        stream = PromptStream(ctx.task)
-        start = 0
-        if self.resume and (saved := load_latest(self.run_dir)):
-            state, meta = saved
-            trainer.load_state_dict(state)
-            stream.load_state_dict(meta["data"])
-            start = meta["step"]
-        self.tracker = Tracker(plan, self.run_dir, start_step=start)
-        sync = make_sync(plan, engines, plan.adapters[0].lora_name, trainer_address=deployment.trainer_address)
-        self.restarts = EngineRestarts(self.executor, sync, self.run_dir, plan.executor.engine_restarts)
-        self.probe = (
-            PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
-            if plan.weight_sync.verify
-            else None
-        )
-        self.initial_adapter = trainer.adapter_state()
-        self.adapter_shared = share_trainer_adapter(trainer, sync)
-        freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
-        self._stamp("rollout_ready")
-        try:
+    async def _train(self, deployment: Deployment, early: Future[RankedTrainer] | None) -> list[dict[str, Any]]:
+        """Build the run's parts, give the engines the trainer's adapter, train every step, save the adapter;
+        everything is closed after, in reverse order."""
+        plan, key = self.plan, deployment.api_key  # the run's key: every server requires it
+        async with contextlib.AsyncExitStack() as stack:
+            trainer = await asyncio.wrap_future(early) if early else self._build_trainer(deployment.remote_ranks)
+            stack.callback(trainer.close)  # the other trainer ranks leave
+            self._stamp("trainer_ready")
+            engines = [await stack.enter_async_context(EngineClient(u, api_key=key)) for u in deployment.engine_urls]
+            # Rollouts spread their groups over the engines.
+            pool = await stack.enter_async_context(rollout_engines(plan, deployment.engine_urls, api_key=key))
+            ctx = RolloutContext.from_plan(plan, pool, deployment.session_url, api_key=key)
+            sessions = None
+            if ctx.session_url:
+                sessions = await stack.enter_async_context(SessionClients(str(ctx.session_url), api_key=key))
+            stream, start = PromptStream(ctx.task), 0
+            if self.resume and (saved := load_latest(self.run_dir)):
+                state, meta = saved
+                trainer.load_state_dict(state)
+                stream.load_state_dict(meta["data"])
+                start = meta["step"]
+            tracker = Tracker(plan, self.run_dir, start_step=start)
+            stack.callback(tracker.close)
+            sync = make_sync(plan, engines, plan.adapters[0].lora_name, trainer_address=deployment.trainer_address)
+            stack.push_async_callback(sync.close)
+            restarts = EngineRestarts(self.executor, sync, self.run_dir, plan.executor.engine_restarts)
+            probe = None
+            if plan.weight_sync.verify:  # every engine scores the probe under the adapter it was just pushed
+                probe = PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
+            initial_adapter = trainer.adapter_state()
+            shared = share_trainer_adapter(trainer, sync)
+            parts = RunParts(trainer, ctx, sessions, stream, restarts, probe, tracker, initial_adapter, shared)
+            freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
+            self._stamp("rollout_ready")
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
-            await self._push(sync, self.initial_adapter, trainer, start, what=f"the push before step {start}")
+            await self._push(parts, initial_adapter, start, what=f"the push before step {start}")
             self._stamp("first_push_done")
-            await self._steps(trainer, sync, ctx, stream, start)
+            await self._steps(parts, start)
             trainer.save_adapter(self.run_dir / "adapter")
-        finally:
-            await sync.close()
-            self.tracker.close()
-            for client in [*engines, rollout_client]:
-                await client.aclose()
-            if self.session_clients is not None:
-                await self.session_clients.aclose()
-        return self.tracker.records
+        return tracker.records
 
-    async def _steps(self, trainer, sync, ctx, stream, start: int) -> None:
+    async def _steps(self, parts: RunParts, start: int) -> None:
+        """Steps `start` to the last: rollout -> train -> push when due -> record -> checkpoint when due. Under the
+        async schedule the next step's rollout is generated while this one trains."""
         plan, total = self.plan, self.plan.batch.num_steps
         overlap = plan.rollout.schedule == "async"
-        pending = self._start_rollout(ctx, stream) if start < total else None
+        ahead: PendingRollout | None = None  # the next step's rollout, started early (async schedule)
+        engine_version = start  # the weight version the engines hold: that of the last push
         step_started = time.perf_counter()  # a step's seconds run to its record from the previous one's
         for step in range(start, total):  # the trainer holds weight version `step` (steps trained so far)
-            self.tracker.phase(step, "rollout")
-            samples, rollout_metrics = await self._rollout_result(pending, ctx, step)
-            pending = None
+            parts.tracker.phase(step, "rollout")
+            samples, rollout_metrics = await self._rollout_result(parts, ahead or self._start_rollout(parts), step)
             staleness = check_staleness(samples, step, plan.staleness_bound)
-            more = step + 1 < total
-            if overlap and more:  # generate the next batch with the current weights while this one trains
-                pending = self._start_rollout(ctx, stream)
-            self.tracker.phase(step, "train")
+            ahead = self._start_rollout(parts) if overlap and step + 1 < total else None
+            parts.tracker.phase(step, "train")
             started = time.perf_counter()
-            train_metrics = await asyncio.to_thread(trainer.train, samples)
+            train_metrics = await asyncio.to_thread(parts.trainer.train, samples)
             train_s = time.perf_counter() - started
-            sync_metrics = {}
+            sync_metrics: dict[str, float] = {}
             if push_due(step + 1, total, plan.weight_sync.update_weights_interval):
-                if pending is not None:
-                    await asyncio.wait([pending.task])  # spec: the update waits for the in-flight generation
-                self.tracker.phase(step, "sync")
-                sync_metrics = await self._sync(trainer, sync, step + 1)
+                if ahead is not None:
+                    await asyncio.wait([ahead.task])  # docs/system.md §7: the update waits for the generation
+                parts.tracker.phase(step, "sync")
+                sync_metrics = await self._sync(parts, step + 1)
+                engine_version = step + 1
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
             record.update(
-                {
-                    "weight_version": self.engine_version,
-                    **sync_metrics,
-                    "step/seconds": time.perf_counter() - step_started,
-                }
+                {"weight_version": engine_version, **sync_metrics, "step/seconds": time.perf_counter() - step_started}
             )
             step_started = time.perf_counter()
-            self.tracker.step_done(step, record)
+            parts.tracker.step_done(step, record)
             self._stamp("first_step_done")
             if self._checkpoint_due(step + 1):
-                self.tracker.phase(step, "checkpoint")
-                self._checkpoint(trainer, stream, step + 1, taken_ahead=pending is not None)
-            if not overlap and more:
-                pending = self._start_rollout(ctx, stream)
+                parts.tracker.phase(step, "checkpoint")
+                self._checkpoint(parts.trainer, parts.stream, step + 1, taken_ahead=ahead is not None)
 
-    def _start_rollout(self, ctx, stream) -> PendingRollout:
+    # ---- rollouts ----
+
+    def _start_rollout(self, parts: RunParts) -> PendingRollout:
         """Take the prompts now (the data cursor moves here, not when the task first runs), generate later."""
-        return self._generate(ctx, stream.next_batch(self.plan.batch.rollout_batch_size))
+        return self._generate(parts, parts.stream.next_batch(self.plan.batch.rollout_batch_size))
 
-    def _generate(self, ctx, prompts) -> PendingRollout:
-        return PendingRollout(asyncio.create_task(self._rollout(ctx, prompts)), prompts, self.restarts.count)
+    def _generate(self, parts: RunParts, prompts: list[Any]) -> PendingRollout:
+        return PendingRollout(asyncio.create_task(self._rollout(parts, prompts)), prompts, parts.restarts.count)
 
-    async def _rollout_result(self, pending: PendingRollout, ctx, step: int) -> tuple[list[Sample], dict[str, float]]:
+    async def _rollout_result(
+        self, parts: RunParts, pending: PendingRollout, step: int
+    ) -> tuple[list[Sample], dict[str, float]]:
         """The rollout's samples; generated again from the same prompts while an engine that died under it could be
         restarted (executor.engine_restarts)."""
         while True:
             try:
                 return await pending.task
             except Exception as error:
-                if not await self.restarts.recovered_rollout(error, step, pending.deaths_before):
+                if not await parts.restarts.recovered_rollout(error, step, pending.deaths_before):
                     raise
-            pending = self._generate(ctx, pending.prompts)
+            pending = self._generate(parts, pending.prompts)
 
-    async def _rollout(self, ctx, prompts) -> tuple[list[Sample], dict[str, float]]:
+    async def _rollout(self, parts: RunParts, prompts: list[Any]) -> tuple[list[Sample], dict[str, float]]:
         started = time.perf_counter()
-        if self.session_clients is not None:
-            samples = await rollout_agentic(ctx, prompts, self.session_clients)
+        if parts.sessions is not None:
+            samples = await rollout_agentic(parts.ctx, prompts, parts.sessions)
         else:
-            samples = await rollout_single_turn(ctx, prompts)
+            samples = await rollout_single_turn(parts.ctx, prompts)
         seconds = time.perf_counter() - started
         tokens = sum(s.response_length for s in samples)
         return samples, {
@@ -246,14 +253,16 @@ class SingleAdapterLoop:
             "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
         }
 
-    async def _sync(self, trainer, sync, version: int) -> dict[str, float]:
+    # ---- pushes ----
+
+    async def _sync(self, parts: RunParts, version: int) -> dict[str, float]:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
         # versions run as usual, only the trained weights never reach the rollouts.
         if self.freeze_adapter:
-            tensors = self.initial_adapter
+            tensors = parts.initial_adapter
         else:  # the parameters themselves where they live in the sync's shared memory: no copy before the engine's
-            tensors = trainer.adapter_views() if self.adapter_shared else trainer.adapter_state()
-        report, probed = await self._push(sync, tensors, trainer, version, what=f"the push after step {version - 1}")
+            tensors = (parts.trainer.adapter_views() if parts.adapter_shared else None) or parts.trainer.adapter_state()
+        report, probed = await self._push(parts, tensors, version, what=f"the push after step {version - 1}")
         return {
             "sync/seconds": report.seconds,
             "sync/verify_seconds": report.verify_seconds,
@@ -261,26 +270,29 @@ class SingleAdapterLoop:
             **probed,
         }
 
-    async def _push(self, sync, tensors, trainer, version: int, *, what: str):
+    async def _push(
+        self, parts: RunParts, tensors: Mapping[str, Any], version: int, *, what: str
+    ) -> tuple[SyncReport, dict[str, float]]:
         """Push, then probe every engine while the trainer holds exactly the pushed adapter
         (plan.weight_sync.verify)."""
         try:
-            report = await self.restarts.push(tensors, trainer.adapter_config(), version, step=version)
+            report = await parts.restarts.push(tensors, parts.trainer.adapter_config(), version, step=version)
         except SyncVerificationError as error:
             raise SyncVerificationError(f"{what}: {error}") from None
-        self.engine_version = version
-        if self.probe is None:
+        if parts.probe is None:
             return report, {}
         started = time.perf_counter()
-        mine = await asyncio.to_thread(trainer.probe_log_probs, self.probe.token_ids)
-        probed = await self.probe.check(mine, self.plan.adapters[0].lora_name, what=what)
+        mine = await asyncio.to_thread(parts.trainer.probe_log_probs, parts.probe.token_ids)
+        probed = await parts.probe.check(mine, self.plan.adapters[0].lora_name, what=what)
         return report, {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
+
+    # ---- checkpoints ----
 
     def _checkpoint_due(self, done: int) -> bool:
         interval = self.plan.checkpoint.interval
         return done == self.plan.batch.num_steps or (interval > 0 and done % interval == 0)
 
-    def _checkpoint(self, trainer, stream, done: int, *, taken_ahead: bool) -> None:
+    def _checkpoint(self, trainer: Trainer, stream: PromptStream, done: int, *, taken_ahead: bool) -> None:
         # An overlapped rollout has already taken the next batch's prompts: resume must take them again.
         cursor = stream.state_dict()
         if taken_ahead:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ class TrainingSample(Protocol):
     rollout_log_probs: list[float]
     rollout_routed_experts: np.ndarray | None  # (len(tokens) - 1, num_layers, top_k), read under routing replay
     reward: float | None
+    metadata: dict[str, Any]  # multi-LoRA: "slot", the engine slot of the sample's adapter
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ def lora_config(adapter: AdapterSpec, *, inference_mode: bool = False):
 
 
 def adapter_config_dict(adapter: AdapterSpec) -> dict[str, Any]:
-    """The JSON-able adapter config an engine receives next to the tensors (spec §3.1 build_lora_sync_config)."""
+    """The JSON-able adapter config an engine receives next to the tensors (docs/system.md §3.1,
+    build_lora_sync_config)."""
     return {
         "peft_type": "LORA",
         "r": adapter.rank,

@@ -1,4 +1,5 @@
-"""The multi-LoRA trainer (spec §4.7): several peft LoRA adapters on one frozen base model, one per engine slot.
+"""The peft multi-LoRA trainer (docs/system.md §4.7): several peft LoRA adapters on one frozen base model, one per
+engine slot; `interface.MultiLoRATrainer` is what the multi-LoRA loop asks of it.
 
 Each slot has its own peft adapter (named as the engine slot, `__miles_slot_K`), its own optimizer and its own
 step scale. `train(samples, step_slots)` backwards every sample's GRPO loss into its slot's adapter (samples
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
@@ -32,7 +34,7 @@ from miles_runner.plan.model import Plan
 from miles_runner.trainer import lora_model
 from miles_runner.trainer.advantages import Estimator, masked_whiten
 from miles_runner.trainer.distributed import rank_and_world
-from miles_runner.trainer.logprobs import TrainingSample, pack_samples, sequence_log_probs, token_log_probs
+from miles_runner.trainer.logprobs import TokenBatch, TrainingSample, pack_samples, sequence_log_probs, token_log_probs
 from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.micro_batches import plan_micro_batches, row_lengths
@@ -43,7 +45,7 @@ IDLE_ADAPTER = "__idle"
 
 
 @dataclass(frozen=True)
-class MultiAdapterSettings:
+class MultiLoRASettings:
     algorithm: AlgorithmConfig
     optimizer: OptimizerConfig
     micro_batch_size: int
@@ -54,7 +56,7 @@ class MultiAdapterSettings:
     max_tokens_per_micro_batch: int = 0  # trainer.use_dynamic_batch_size: the token budget; 0: micro_batch_size
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> MultiAdapterSettings:
+    def from_plan(cls, plan: Plan) -> MultiLoRASettings:
         return cls(
             plan.algorithm,
             plan.optimizer,
@@ -79,8 +81,8 @@ class _Slot:
     pending_samples: int = 0  # samples whose gradients are accumulated since the last step
 
 
-class MultiLoRATrainer:
-    def __init__(self, model_path: str | Path, settings: MultiAdapterSettings) -> None:
+class PeftMultiLoRATrainer:
+    def __init__(self, model_path: str | Path, settings: MultiLoRASettings) -> None:
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +161,7 @@ class MultiLoRATrainer:
         # The slot's own samples of this call set its baselines and whitening statistics: tenants never mix.
         estimator = Estimator.from_algorithm(s.algorithm, entry.adapter.n_samples_per_prompt)
         rank, world = rank_and_world()
-        all_reduce = _all_reduce if world > 1 else None
+        all_reduce = dist.all_reduce if world > 1 else None
         local = list(range(rank, len(samples), world))  # whole groups set the advantages; ranks share the rows
         means = MetricMeans()
         if local:
@@ -192,7 +194,7 @@ class MultiLoRATrainer:
         return {**means.result(), "reward_mean": float(rewards.mean()), "samples": float(len(local))}
 
     @torch.no_grad()
-    def _log_probs(self, full, *, adapter: bool = True) -> torch.Tensor:
+    def _log_probs(self, full: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
         """The active slot's log-probs of the batch, or (adapter off) the reference's."""
         self.model.eval()
         with nullcontext() if adapter else self.model.disable_adapter():
@@ -238,6 +240,9 @@ class MultiLoRATrainer:
     def adapter_config(self, slot: int) -> dict[str, Any]:
         return lora_model.adapter_config_dict(self.slots[slot].adapter)
 
+    def adapter_step(self, slot: int) -> int:
+        return self.slots[slot].step
+
     def state_dict(self, slot: int) -> dict[str, Any]:
         """The slot's adapter, optimizer and step: what a per-adapter checkpoint holds."""
         entry = self.slots[slot]
@@ -259,18 +264,10 @@ class MultiLoRATrainer:
         entry.step = int(state["step"])
 
 
-def _all_reduce(tensor: torch.Tensor) -> None:
-    import torch.distributed as dist
-
-    dist.all_reduce(tensor)
-
-
 def _sum_over_ranks(params: list[torch.nn.Parameter]) -> None:
     """Sum the gradients of every rank's share (a rank that had no sample of the slot adds zeros)."""
     if rank_and_world()[1] == 1:
         return
-    import torch.distributed as dist
-
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

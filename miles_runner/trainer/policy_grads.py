@@ -1,7 +1,7 @@
 """The pieces of a policy update that every trainer shares: the optimizer it builds, the loss settings of the
 plan's algorithm, and the micro-batched backward pass of the one policy loss (loss.py) over rows of a packed batch.
 
-The single-adapter trainer (fsdp.py) steps after every global batch; the multi-LoRA trainer
+The one-adapter trainers (policy_trainer.py) step after every global batch; the multi-LoRA trainer
 (multi_lora.py) keeps gradients across train calls and steps an adapter only when its batch is complete.
 Both accumulate gradients with `accumulate_policy_gradients`.
 """
@@ -73,6 +73,7 @@ def accumulate_policy_gradients(
         replay = ReplayStats()
         with replaying(model, batch.routed_experts, replay):  # through the backward: recomputed layers route alike
             log_probs, entropy = token_log_probs(model, batch, temperature=temperature, with_entropy=True)
+            assert entropy is not None  # asked for: with_entropy
             out = policy_loss(
                 log_probs,
                 log_probs.detach() if old is None else token_columns(old[idx], width),

@@ -15,6 +15,10 @@ Commands travel as pickled objects over gloo (a group of their own when the trai
 gets the same arguments, so an error raised by a call is raised on every rank: followers log it and wait for
 the next command, as rank 0's caller decides. A follower that dies makes rank 0's next collective fail within
 `TIMEOUT_S` rather than hang.
+
+Rank 0's trainer is a proxy that implements the same Protocol as the trainer it holds (trainer/interface.py):
+`RankedTrainer` a `Trainer`, `RankedMultiLoRATrainer` a `MultiLoRATrainer`. Each of their methods says whether it
+is replayed on every rank (it changes trainer state or holds collectives) or is rank 0's alone.
 """
 
 from __future__ import annotations
@@ -23,53 +27,39 @@ import argparse
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.plan.model import Launch, Plan
 from miles_runner.plan.record import read_plan
 from miles_runner.plan.render import trainer_rank_launch
 from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.procs.launch import launch_process
 from miles_runner.procs.ports import LOOPBACK, free_port
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.fsdp import FSDPTrainer
+from miles_runner.trainer.interface import MultiLoRATrainer, Trainer
+from miles_runner.trainer.logprobs import TrainingSample
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 600.0
 EXIT = "exit"
-# Calls that change trainer state or hold collectives: every rank must make them, in the same order.
-REPLAYED = frozenset(
-    {
-        "train",
-        "compute_log_probs",
-        "adapter_state",
-        "save_adapter",
-        "state_dict",
-        "load_state_dict",
-        "load_adapter",
-        "clear_adapter",
-        "probe_log_probs",
-    }
-)
+
+T = TypeVar("T")
 
 
-def build_trainer(plan: Plan) -> Any:
-    """This rank's trainer for the plan: the multi-LoRA trainer for multi-LoRA, the Megatron trainer for
-    trainer=megatron, else the FSDP trainer."""
-    if plan.cluster.cpu_only:
-        # One intra-op thread per rank, as the embedded engine has: each holds one CPU device, the matrices are tiny,
-        # and two OpenMP threads wait at every op's barrier for a core the engine or another rank is using
-        # (bench/single_turn_step.py: train 0.82 s with two threads, 0.15 s with one, on the loaded 2-core machine).
-        torch.set_num_threads(1)
-    if plan.capabilities.multi_lora:
-        return MultiLoRATrainer(plan.model_path, MultiAdapterSettings.from_plan(plan))
+def build_trainer(plan: Plan) -> Trainer:
+    """This rank's trainer of a one-adapter plan: the Megatron trainer for trainer=megatron, else the FSDP
+    trainer."""
+    _compute_threads(plan)
     if plan.trainer.backend == "megatron":
         from miles_runner.trainer.megatron.trainer import build_megatron_trainer  # megatron imports take seconds
 
@@ -79,6 +69,20 @@ def build_trainer(plan: Plan) -> Any:
             return build_megatron_trainer(plan, BridgeTrainer)
         return build_megatron_trainer(plan)
     return FSDPTrainer(plan.model_path, TrainerSettings.from_plan(plan))
+
+
+def build_multi_lora_trainer(plan: Plan) -> MultiLoRATrainer:
+    """This rank's trainer of a multi-LoRA plan."""
+    _compute_threads(plan)
+    return PeftMultiLoRATrainer(plan.model_path, MultiLoRASettings.from_plan(plan))
+
+
+def _compute_threads(plan: Plan) -> None:
+    if plan.cluster.cpu_only:
+        # One intra-op thread per rank, as the embedded engine has: each holds one CPU device, the matrices are tiny,
+        # and a second OpenMP thread would wait at every op's barrier for a core that the engine or another rank is
+        # using (bench/single_turn_step.py times the train step both ways).
+        torch.set_num_threads(1)
 
 
 class Follower(Protocol):
@@ -105,11 +109,36 @@ class RemoteRanks(Protocol):
 
 
 def make_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedTrainer:
-    """The driver's trainer: rank 0 of `world_size` ranks (followers started where the plan places them), or
-    alone for one rank. `remote` starts the ranks on other nodes (a multi-node plan). Call `close()` when done."""
+    """The driver's trainer of a one-adapter plan: rank 0 of `world_size` ranks (followers started where the plan
+    places them), or alone for one rank. `remote` starts the ranks on other nodes (a multi-node plan). Call
+    `close()` when done."""
+    return RankedTrainer(*_start_ranks(plan, Path(run_dir), remote, build_trainer))
+
+
+def make_multi_lora_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedMultiLoRATrainer:
+    """The driver's trainer of a multi-LoRA plan, as `make_trainer`."""
+    return RankedMultiLoRATrainer(*_start_ranks(plan, Path(run_dir), remote, build_multi_lora_trainer))
+
+
+def _start_ranks(
+    plan: Plan, run_dir: Path, remote: RemoteRanks | None, build: Callable[[Plan], T]
+) -> tuple[T, list[Follower], Any]:
+    """Rank 0's trainer, the followers that replay its calls and the group the calls travel on (none of either
+    for one rank). The followers build their trainers as rank 0 builds its own: the constructors hold
+    collectives."""
     if plan.trainer.parallel.world_size <= 1:
-        return RankedTrainer(build_trainer(plan), [], None)
-    return RankedTrainer.start(plan, Path(run_dir), remote)
+        return build(plan), [], None
+    master = remote.master_address if remote else LOOPBACK
+    port, followers = free_port(master), []
+    try:
+        for rank in range(1, plan.trainer.parallel.world_size):
+            followers.append(start_follower(plan, run_dir, rank, master, port, remote))
+        commands = join_group(plan, 0, master, port)
+        return build(plan), followers, commands
+    except BaseException:
+        for follower in followers:
+            follower.stop()
+        raise
 
 
 def join_group(plan: Plan, rank: int, master_address: str, master_port: int) -> Any:
@@ -132,43 +161,22 @@ def _receive(commands: Any) -> tuple[str, tuple, dict]:
     return box[0]
 
 
-class RankedTrainer:
-    """Rank 0's view: a replayed method runs on every rank; anything else is rank 0's own trainer (with no
-    followers, it is just the trainer)."""
+class _Ranks(Generic[T]):
+    """Rank 0's trainer (`_local`) and the followers that replay its calls (none: it is just the trainer)."""
 
-    def __init__(self, local: Any, followers: list[Any], commands: Any) -> None:
+    def __init__(self, local: T, followers: list[Follower], commands: Any) -> None:
         self._local, self._followers, self._commands = local, followers, commands
         # One replayed call at a time, and none while close() sends the exit: on CPU the commands share the gloo
         # group the trainer's collectives use, and two threads' operations on it interleave differently on each rank.
         self._calling = threading.Lock()
 
-    @classmethod
-    def start(cls, plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> RankedTrainer:
-        master = remote.master_address if remote else LOOPBACK
-        port, followers = free_port(master), []
-        try:
-            for rank in range(1, plan.trainer.parallel.world_size):
-                followers.append(start_follower(plan, run_dir, rank, master, port, remote))
-            commands = join_group(plan, 0, master, port)
-            return cls(build_trainer(plan), followers, commands)
-        except BaseException:
-            for follower in followers:
-                follower.stop()
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._local, name)
-        if name not in REPLAYED:
-            return attr
-
-        def replayed(*args: Any, **kwargs: Any) -> Any:
-            with self._calling:
-                if self._followers:
-                    self._check_followers()
-                    dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._commands)
-                return attr(*args, **kwargs)
-
-        return replayed
+    def _replay(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Rank 0's trainer's method `name`, after sending the call to every follower."""
+        with self._calling:
+            if self._followers:
+                self._check_followers()
+                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._commands)
+            return getattr(self._local, name)(*args, **kwargs)
 
     def _check_followers(self) -> None:
         dead = [f"{f.name} (exit code {f.returncode}; {f.log_path})" for f in self._followers if not f.alive]
@@ -179,9 +187,10 @@ class RankedTrainer:
         """Tell the followers to leave, wait for them, and leave the group (idempotent).
 
         A replayed call still running in another thread (the train step of a loop that Ctrl-C cancelled goes on in
-        its worker thread) ends first, for up to `timeout_s`: an exit sent amid its collectives left rank 0's
-        broadcast and rank 1's all-reduce waiting on each other for the group's 10-minute timeout. A call that
-        outlasts `timeout_s` is cut off instead: the followers are stopped, which ends its collectives with an error.
+        its worker thread) ends first, for up to `timeout_s`: an exit sent amid its collectives would leave rank 0's
+        broadcast and a follower's all-reduce waiting on each other until the group's timeout (TIMEOUT_S). A call
+        that outlasts `timeout_s` is cut off instead: the followers are stopped, which ends its collectives with an
+        error.
         """
         if not self._followers:
             return
@@ -200,6 +209,68 @@ class RankedTrainer:
         finally:
             if idle:
                 self._calling.release()
+
+
+class RankedTrainer(_Ranks[Trainer]):
+    """Rank 0's `Trainer` of every rank."""
+
+    def train(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
+        return self._replay("train", samples)
+
+    def compute_log_probs(self, samples: Sequence[TrainingSample], *, adapter: bool = True) -> list[list[float]]:
+        return self._replay("compute_log_probs", samples, adapter=adapter)
+
+    def probe_log_probs(self, token_ids: Sequence[int]) -> list[float]:
+        return self._replay("probe_log_probs", token_ids)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return self._replay("adapter_state")
+
+    def adapter_views(self) -> dict[str, torch.Tensor] | None:
+        return self._local.adapter_views()  # rank 0's own: views exist only where one rank holds the whole adapter
+
+    def move_adapter(self, homes: dict[str, torch.Tensor]) -> None:
+        self._local.move_adapter(homes)
+
+    def adapter_config(self) -> dict[str, Any]:
+        return self._replay("adapter_config")  # Bridge's reads the names its export gives: collective
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        return self._replay("save_adapter", out_dir)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._replay("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._replay("load_state_dict", state)
+
+
+class RankedMultiLoRATrainer(_Ranks[MultiLoRATrainer]):
+    """Rank 0's `MultiLoRATrainer` of every rank."""
+
+    def load_adapter(self, slot: int, adapter: AdapterSpec, state: dict[str, Any] | None = None) -> None:
+        self._replay("load_adapter", slot, adapter, state)
+
+    def clear_adapter(self, slot: int) -> None:
+        self._replay("clear_adapter", slot)
+
+    def train(self, samples: Sequence[TrainingSample], step_slots: Collection[int]) -> dict[int, dict[str, float]]:
+        return self._replay("train", samples, step_slots)
+
+    def probe_log_probs(self, token_ids: Sequence[int], slot: int) -> list[float]:
+        return self._replay("probe_log_probs", token_ids, slot)
+
+    def adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._replay("adapter_state", slot)
+
+    def adapter_config(self, slot: int) -> dict[str, Any]:
+        return self._replay("adapter_config", slot)
+
+    def adapter_step(self, slot: int) -> int:
+        return self._local.adapter_step(slot)
+
+    def state_dict(self, slot: int) -> dict[str, Any]:
+        return self._replay("state_dict", slot)
 
 
 def start_follower(
@@ -222,7 +293,9 @@ def follow(run_dir: Path, rank: int, master_address: str, master_port: int) -> N
     """A follower rank: build the plan's trainer, then replay rank 0's calls until told to exit."""
     plan = read_plan(run_dir / "plan.yaml")
     commands = join_group(plan, rank, master_address, master_port)
-    trainer = build_trainer(plan)
+    trainer: Trainer | MultiLoRATrainer = (
+        build_multi_lora_trainer(plan) if plan.capabilities.multi_lora else build_trainer(plan)
+    )
     freeze_startup_heap()
     while (command := _receive(commands))[0] != EXIT:
         name, args, kwargs = command

@@ -20,8 +20,9 @@ from miles_runner.plugins.lookup import make_task
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.rollout.context import RolloutContext, rollout_engines
 from miles_runner.rollout.multi_lora import MultiLoRARollout
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.fsdp import FSDPTrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 from tests.multi_lora.helpers import run
 
 pytestmark = pytest.mark.integration
@@ -49,7 +50,7 @@ def test_the_single_adapter_loop_keeps_the_last_keep_last_checkpoints(tmp_path, 
 @pytest.mark.parametrize("keep_last", [1, 3])
 async def test_each_multi_lora_adapter_keeps_its_last_keep_last_checkpoints(tmp_path, model_path, keep_last):
     plan = compile_plan(compose(["+recipe=tiny_multi_lora", TINY, f"checkpoint.keep_last={keep_last}"]))
-    trainer = MultiLoRATrainer(model_path, MultiAdapterSettings.from_plan(plan))
+    trainer = PeftMultiLoRATrainer(model_path, MultiLoRASettings.from_plan(plan))
     trainer.load_adapter(0, plan.adapters[0])
     async with rollout_engines(plan, []) as workers, ControllerClient(plan.multi_lora.launch.url) as controller:
         ctx = RolloutContext.from_plan(plan, workers, None)  # no request is sent

@@ -48,19 +48,20 @@ class ObservedLoop(SingleAdapterLoop):
     def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False, crash_after: int | None = None):
         super().__init__(plan, run_dir, resume=resume)
         self.crash_after = crash_after
+        self.next_step = 0  # the step whose rollout is generated next
         self.versions_at: dict[int, list[str]] = {}
         self.final_versions: list[str] = []
         self.final_probe: dict[str, Any] = {}
 
-    async def _rollout(self, ctx, prompts):
-        rolled = await super()._rollout(ctx, prompts)  # the sync schedule: one batch per step, in order
+    async def _rollout(self, parts, prompts):
+        rolled = await super()._rollout(parts, prompts)  # the sync schedule: one batch per step, in order
         self.versions_at[self.next_step] = await engine_versions(self.plan)
         self.next_step += 1
         return rolled
 
-    async def _steps(self, trainer, sync, ctx, stream, start):
+    async def _steps(self, parts, start):
         self.next_step = start
-        await super()._steps(trainer, sync, ctx, stream, start)
+        await super()._steps(parts, start)
         self.final_versions = await engine_versions(self.plan)
         self.final_probe = await greedy_probe(self.plan)
 

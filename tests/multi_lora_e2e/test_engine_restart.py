@@ -99,11 +99,11 @@ class KillEngineAsThirdPushStarts(MultiLoRALoop):
 
     killed = False
 
-    async def _update_weights(self) -> float:
-        if not self.killed and self.iteration >= 2:
+    async def _update_weights(self, parts, iteration: int) -> float:
+        if not self.killed and iteration >= 2:
             self.killed = True
             os.killpg(self.executor.engines[0].pid, signal.SIGKILL)
-        return await super()._update_weights()
+        return await super()._update_weights(parts, iteration)
 
 
 def test_an_engine_that_dies_during_a_push_is_restarted_and_given_every_adapter(tmp_path):

@@ -10,7 +10,7 @@ from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.session.samples import Sample, SampleStatus
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
 
 pytestmark = pytest.mark.integration
 
@@ -51,15 +51,15 @@ def group(slot: int, seed: int) -> list[Sample]:
 
 
 @pytest.fixture()
-def trainer() -> MultiLoRATrainer:
-    settings = MultiAdapterSettings(AlgorithmConfig(), OptimizerConfig(lr=0.05), micro_batch_size=4)
-    trained = MultiLoRATrainer(ensure_tiny_model("tiny-moe"), settings)
+def trainer() -> PeftMultiLoRATrainer:
+    settings = MultiLoRASettings(AlgorithmConfig(), OptimizerConfig(lr=0.05), micro_batch_size=4)
+    trained = PeftMultiLoRATrainer(ensure_tiny_model("tiny-moe"), settings)
     trained.load_adapter(0, adapter("a", 0))
     trained.load_adapter(1, adapter("b", 1))
     return trained
 
 
-def tensors(trainer: MultiLoRATrainer, slot: int) -> dict[str, torch.Tensor]:
+def tensors(trainer: PeftMultiLoRATrainer, slot: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.adapter_state(slot).items()}
 
 
@@ -80,7 +80,7 @@ def test_only_step_slots_change_and_the_others_keep_their_gradients(trainer):
 def test_a_step_averages_over_every_train_call_since_the_last_one(trainer):
     """Two calls of one group each, then the step: the same update as one call with both groups."""
     settings = trainer.settings
-    twin = MultiLoRATrainer(ensure_tiny_model("tiny-moe"), settings)
+    twin = PeftMultiLoRATrainer(ensure_tiny_model("tiny-moe"), settings)
     twin.load_adapter(0, adapter("a", 0))
     assert same(tensors(twin, 0), tensors(trainer, 0))
     trainer.train(group(0, 0), step_slots=[])

@@ -1,4 +1,4 @@
-"""An engine SIGKILLed mid-rollout in a single-adapter run (issue 15), on CPU with the real loop, engine and trainer:
+"""An engine SIGKILLed mid-rollout in a single-adapter run, on CPU with the real loop, engine and trainer:
 
 - `executor.engine_restarts=0`: the run fails naming the engine, no process of the run is left (each process and
   its process group is gone, the engine's port is free), and the last checkpoint on disk is the one saved before
@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 STEPS = 3
 KILLED_ROLLOUT = 1  # the rollout of step 1: checkpoint step_1 is on disk by then
 # The plain (not format pre-trained) tiny model: its answers seldom end before max_response_len, so the cut rollout
-# runs 64 decode steps. The format pre-trained one answered in a few tokens: a whole rollout once took 23 ms and
-# ended between two polls of the engine's running requests.
+# runs 64 decode steps. The format pre-trained one answers in a few tokens: a whole rollout could start and end
+# between two polls of the engine's running requests.
 BASE = (
     "+recipe=tiny_lora_agentic",
     "model.path=tiny:tiny-moe",
@@ -67,9 +67,9 @@ class KillEngineMidRollout(SingleAdapterLoop):
         self.pids: set[int] = set()
         self.trained: list[int] = []  # the number of samples of each batch the trainer stepped on
 
-    async def _rollout(self, ctx, prompts):
+    async def _rollout(self, parts, prompts):
         index, self.rollouts = self.rollouts, self.rollouts + 1
-        rollout = asyncio.create_task(super()._rollout(ctx, prompts))
+        rollout = asyncio.create_task(super()._rollout(parts, prompts))
         if index == KILLED_ROLLOUT:
             await self._kill_when_running(rollout)
         return await rollout
@@ -85,7 +85,8 @@ class KillEngineMidRollout(SingleAdapterLoop):
         os.killpg(engine.pid, signal.SIGKILL)
         self.killed = True
 
-    async def _run_with(self, trainer, deployment):
+    def _build_trainer(self, remote_ranks):
+        trainer = super()._build_trainer(remote_ranks)
         train = trainer.train
 
         def counted(samples, *args: Any, **kwargs: Any):
@@ -93,7 +94,7 @@ class KillEngineMidRollout(SingleAdapterLoop):
             return train(samples, *args, **kwargs)
 
         trainer.train = counted
-        return await super()._run_with(trainer, deployment)
+        return trainer
 
 
 def checkpoint_bytes(run_dir: Path) -> dict[str, str]:

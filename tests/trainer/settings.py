@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
-from miles_runner.trainer.fsdp import TrainerSettings
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

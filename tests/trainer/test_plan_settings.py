@@ -1,5 +1,5 @@
 """The trainers run with the plan's settings, read through TrainerSettings.from_plan and
-MultiAdapterSettings.from_plan: the run's seed, the adapter's dropout, the optimizer's hyperparameters, gradient
+MultiLoRASettings.from_plan: the run's seed, the adapter's dropout, the optimizer's hyperparameters, gradient
 clipping, and the std normalisation of the advantages."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from miles_runner.config.compose import compose
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
 from miles_runner.session.samples import Sample
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.fsdp import FSDPTrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 from .test_fsdp import BAD, GOOD, group
 
@@ -34,10 +35,10 @@ def fsdp_trainer(model_path: str, *overrides: str) -> FSDPTrainer:
     return FSDPTrainer(model_path, TrainerSettings.from_plan(plan_of(*overrides)))
 
 
-def multi_trainer(model_path: str, *overrides: str) -> MultiLoRATrainer:
+def multi_trainer(model_path: str, *overrides: str) -> PeftMultiLoRATrainer:
     """The multi-LoRA trainer of a multi-LoRA plan, its first adapter loaded in slot 0."""
     plan = multi_plan_of(*overrides)
-    trainer = MultiLoRATrainer(model_path, MultiAdapterSettings.from_plan(plan))
+    trainer = PeftMultiLoRATrainer(model_path, MultiLoRASettings.from_plan(plan))
     trainer.load_adapter(0, plan.adapters[0])
     return trainer
 

@@ -21,7 +21,7 @@ from miles_runner.plan.model import Plan
 from miles_runner.plan.record import write_run_record
 from miles_runner.procs.ports import free_port
 from miles_runner.session.samples import Sample, SampleStatus
-from miles_runner.trainer.ranks import RankedTrainer, build_trainer, make_trainer
+from miles_runner.trainer.ranks import RankedMultiLoRATrainer, build_multi_lora_trainer, make_multi_lora_trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -72,13 +72,13 @@ def multi_lora_steps(trainer, plan: Plan) -> dict[str, torch.Tensor]:
 def test_the_multi_lora_trainer_on_two_ranks_matches_one_process(tmp_path):
     plan, run_dir = recorded_plan(tmp_path, "+recipe=tiny_multi_lora", *TWO_RANKS)
     assert plan.trainer.parallel.world_size == 2
-    ranked = make_trainer(plan, run_dir)
-    assert isinstance(ranked, RankedTrainer)
+    ranked = make_multi_lora_trainer(plan, run_dir)
+    assert isinstance(ranked, RankedMultiLoRATrainer)
     try:
         two = multi_lora_steps(ranked, plan)
     finally:
         ranked.close()
-    one = multi_lora_steps(build_trainer(plan), plan)
+    one = multi_lora_steps(build_multi_lora_trainer(plan), plan)
     assert two.keys() == one.keys()
     for name, tensor in one.items():
         assert torch.allclose(two[name], tensor, atol=1e-5), name
@@ -87,7 +87,7 @@ def test_the_multi_lora_trainer_on_two_ranks_matches_one_process(tmp_path):
 
 def test_a_follower_that_died_is_reported_before_the_next_call(tmp_path):
     plan, run_dir = recorded_plan(tmp_path, "+recipe=tiny_multi_lora", *TWO_RANKS)
-    ranked = make_trainer(plan, run_dir)
+    ranked = make_multi_lora_trainer(plan, run_dir)
     try:
         follower = ranked._followers[0]
         follower.stop()  # injected fault: rank 1 is gone
@@ -103,7 +103,7 @@ def test_close_lets_a_call_in_flight_finish_before_the_followers_exit(tmp_path):
     the trainer: the exit command must come after that step's collectives. Sent in the middle of them, rank 0's
     broadcast and rank 1's all-reduce waited on each other for the group's 10-minute timeout."""
     plan, run_dir = recorded_plan(tmp_path, "+recipe=tiny_multi_lora", *TWO_RANKS)
-    ranked = make_trainer(plan, run_dir)
+    ranked = make_multi_lora_trainer(plan, run_dir)
     follower, entered = ranked._followers[0], threading.Event()
     own_train = ranked._local.train
 

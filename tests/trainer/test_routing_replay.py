@@ -23,7 +23,7 @@ from miles_runner.rollout.inprocess import SamplingSettings, generate_samples
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.fsdp import FSDPTrainer
 from miles_runner.trainer.logprobs import pack_samples, token_log_probs
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
 from miles_runner.trainer.routing_replay import NO_ROW, ReplayStats, differs, replaying
 from miles_testkit.routing_gap import move_routers
 
@@ -60,18 +60,18 @@ def fsdp_trainer(path: str, replay: bool) -> FSDPTrainer:
     return FSDPTrainer(path, make_settings(routing_replay=replay, micro_batch_size=PROMPTS * PER_PROMPT))
 
 
-def multi_lora_trainer(path: str, replay: bool) -> MultiLoRATrainer:
-    settings = MultiAdapterSettings(
+def multi_lora_trainer(path: str, replay: bool) -> PeftMultiLoRATrainer:
+    settings = MultiLoRASettings(
         AlgorithmConfig(), OptimizerConfig(), micro_batch_size=PROMPTS * PER_PROMPT, routing_replay=replay
     )
-    trainer = MultiLoRATrainer(path, settings)
+    trainer = PeftMultiLoRATrainer(path, settings)
     spec = AdapterSpec("a", "__miles_slot_0", 4, 8.0, 0.0, ATTENTION, "count", "exact_match", 0.01, PROMPTS, PER_PROMPT)
     trainer.load_adapter(0, spec)
     return trainer
 
 
 def train(trainer, samples: list[Sample]) -> dict[str, float]:
-    if isinstance(trainer, MultiLoRATrainer):
+    if isinstance(trainer, PeftMultiLoRATrainer):
         for sample in samples:
             sample.metadata["slot"] = 0
         return trainer.train(samples, step_slots=[0])[0]
@@ -102,11 +102,11 @@ def rollout_rows(samples: list[Sample], layer: int, width: int) -> torch.Tensor:
 def test_rollout_routing_replay_in_the_plan_turns_replay_on_in_its_trainer(recipe):
     from miles_runner.config.compose import compose
     from miles_runner.plan.compile import compile_plan
-    from miles_runner.trainer.fsdp import TrainerSettings
+    from miles_runner.trainer.policy_trainer import TrainerSettings
 
     for replay in (True, False):
         plan = compile_plan(compose([f"+recipe={recipe}", f"rollout.routing_replay={str(replay).lower()}"]))
-        settings = MultiAdapterSettings if plan.capabilities.multi_lora else TrainerSettings
+        settings = MultiLoRASettings if plan.capabilities.multi_lora else TrainerSettings
         assert settings.from_plan(plan).routing_replay is replay
 
 

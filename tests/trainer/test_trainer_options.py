@@ -15,10 +15,11 @@ from miles_runner.core.adapters import AdapterSpec
 from miles_runner.plan.compile import compile_plan
 from miles_runner.session.samples import Sample, SampleStatus
 from miles_runner.trainer.advantages import Estimator
-from miles_runner.trainer.fsdp import FSDPTrainer, TrainerSettings
+from miles_runner.trainer.fsdp import FSDPTrainer
 from miles_runner.trainer.lora_model import decoder_layers
 from miles_runner.trainer.micro_batches import first_fit, plan_micro_batches
-from miles_runner.trainer.multi_lora import MultiAdapterSettings, MultiLoRATrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings, PeftMultiLoRATrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 from .settings import make_settings
 
@@ -69,7 +70,7 @@ def test_the_plan_sets_the_trainer_switches():
     assert (settings.per_token_loss, settings.recompute, settings.max_tokens_per_micro_batch) == (True, True, 64)
     assert settings.estimator() == Estimator("reinforce_plus_plus", plan.batch.n_samples_per_prompt, True, 0.01, 0.9)
     assert settings.loss_config().kl_coef == 0.0  # REINFORCE++ puts the KL into the reward
-    multi = MultiAdapterSettings.from_plan(plan)
+    multi = MultiLoRASettings.from_plan(plan)
     assert (multi.recompute, multi.max_tokens_per_micro_batch) == (True, 64)
 
 
@@ -158,10 +159,10 @@ def test_the_kl_is_a_loss_term_for_grpo_and_a_reward_penalty_for_reinforce(tiny_
 
 def test_the_multi_lora_trainer_uses_the_estimator_and_the_token_budget(tiny_model_path):
     algorithm = replace(AlgorithmConfig(), advantage_estimator="reinforce_plus_plus_baseline")
-    settings = MultiAdapterSettings(
+    settings = MultiLoRASettings(
         algorithm, OptimizerConfig(lr=0.05), micro_batch_size=4, max_tokens_per_micro_batch=9, recompute=True
     )
-    trainer = MultiLoRATrainer(tiny_model_path, settings)
+    trainer = PeftMultiLoRATrainer(tiny_model_path, settings)
     adapter = AdapterSpec("a", "__miles_slot_0", 4, 8.0, 0.0, ["q_proj", "v_proj"], "count", "exact_match", 0.05, 1, 2)
     trainer.load_adapter(0, adapter)
     calls = attention_inputs(trainer)

@@ -1,4 +1,5 @@
-"""The multi-LoRA training loop (spec §4.7, train_multi_lora_async.py): many adapters, one base model, shared engines.
+"""The multi-LoRA training loop (docs/system.md §4.7, train_multi_lora_async.py): many adapters, one base model,
+shared engines.
 
     controller service (plan.multi_lora.launch; under a Ray actor with executor=ray)
     -> producer (groups for every live adapter, always running)

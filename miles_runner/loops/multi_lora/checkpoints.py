@@ -11,7 +11,7 @@ from miles_runner.loops.checkpoint import completed_steps, load_latest, save_che
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.rollout.multi_lora import MultiLoRARollout
-from miles_runner.trainer.ranks import RankedTrainer
+from miles_runner.trainer.interface import MultiLoRATrainer
 
 Saved = tuple[dict[str, Any], dict[str, Any]]  # (trainer state, meta), as loops.checkpoint.load_latest returns
 
@@ -20,7 +20,11 @@ class AdapterCheckpoints:
     """Save and resume one adapter at a time: its trainer slot's state, its step and its data cursor."""
 
     def __init__(
-        self, config: CheckpointConfig, trainer: RankedTrainer, rollout: MultiLoRARollout, controller: ControllerClient
+        self,
+        config: CheckpointConfig,
+        trainer: MultiLoRATrainer,
+        rollout: MultiLoRARollout,
+        controller: ControllerClient,
     ) -> None:
         self.config, self.trainer, self.rollout, self.controller = config, trainer, rollout, controller
 

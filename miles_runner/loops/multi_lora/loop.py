@@ -1,10 +1,15 @@
-"""MultiLoRALoop: the top-level sequence of one multi-LoRA run, each job done by the package's other modules."""
+"""MultiLoRALoop: one multi-LoRA run, top to bottom. `_train` builds the run's parts in one place, then iterates
+(docs/system.md §4.7): reconcile -> push -> collect a batch -> train -> record -> checkpoint, each job done by one
+of the package's other modules."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +28,14 @@ from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.collect import EmptyBatchTimeoutError, TrainBatch, collect_batch
 from miles_runner.multi_lora.producer import GroupProducer
 from miles_runner.multi_lora.registry import RegistrySnapshot
-from miles_runner.plan.model import Plan
+from miles_runner.plan.model import MultiLoRAPlan, Plan
 from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.rollout.context import RolloutContext, rollout_engines
 from miles_runner.rollout.multi_lora import MultiLoRARollout
-from miles_runner.sglang_client.client import EngineClient, EngineError, EngineUnavailable
-from miles_runner.sglang_client.engine_pool import EnginePool
-from miles_runner.trainer.ranks import make_trainer
+from miles_runner.sglang_client.client import EngineClient
+from miles_runner.tracking.tracker import Tracker
+from miles_runner.trainer.interface import MultiLoRATrainer
+from miles_runner.trainer.ranks import make_multi_lora_trainer
 from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
 from miles_runner.weight_sync.sync import make_sync
 
@@ -38,165 +44,129 @@ log = logging.getLogger(__package__)  # the loop's logger, named as before the s
 CACHE_TTL_S = 0.2  # the producer learns of new and retired adapters within this
 
 
+@dataclass(frozen=True)
+class LoopParts:
+    """What every iteration uses; built once, in `MultiLoRALoop._train`."""
+
+    trainer: MultiLoRATrainer
+    controller: ControllerClient
+    buffers: AdapterBuffers  # the producer's finished groups, by adapter
+    reconciler: Reconciler  # the trainer's slots follow the registry
+    pushes: Pushes  # the adapters that stepped or are new reach the engines
+    recovery: EngineRecovery  # engines that died are started again
+    records: StepRecords
+    checkpoints: AdapterCheckpoints
+    tracker: Tracker
+
+
 class MultiLoRALoop:
     """Many adapters, one base model, shared engines: reconcile -> push -> collect -> train -> record -> checkpoint."""
 
     def __init__(self, plan: Plan, run_dir: Path, *, resume: bool = False) -> None:
         if plan.multi_lora is None:
             raise ValueError(f"plan {plan.name!r} is not a multi-LoRA plan (adapters=multi)")
-        self.plan, self.run_dir, self.resume = plan, Path(run_dir), resume
+        self.plan, self.settings, self.run_dir, self.resume = plan, plan.multi_lora, Path(run_dir), resume
+        self.executor = make_executor(plan, self.run_dir)
         self.events = EventLog(self.run_dir / EVENTS_FILE)
 
     def run(self) -> list[dict[str, Any]]:
         """Start the deployment and the controller service, train until done; returns the step records."""
-        self.executor = make_executor(self.plan, self.run_dir)
         with self.executor as deployment, controller_service(self.plan, self.run_dir):
-            return asyncio.run(self._main(deployment))
+            return asyncio.run(self._train(deployment))
 
-    async def _main(self, deployment: Deployment) -> list[dict[str, Any]]:
-        self.trainer = make_trainer(self.plan, self.run_dir, deployment.remote_ranks)
-        try:
-            return await self._serve(deployment)
-        finally:
-            self.trainer.close()  # the other trainer ranks leave
-
-    async def _serve(self, deployment: Deployment) -> list[dict[str, Any]]:
-        """The producer fills the adapters' buffers while the loop runs; everything is closed after it."""
-        # groups spread over the engines
-        rollout_client = rollout_engines(self.plan, deployment.engine_urls, api_key=deployment.api_key)
-        producer = self._connect(deployment, rollout_client)
-        self._assemble(deployment.trainer_address)
-        freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
-        producer.start()
-        try:
-            await self._loop()
-        finally:
-            await producer.stop()
-            await self.rollout.aclose()
-            await self.sync.close()
-            self.tracker.close()
-            plot_adapters(self.plan, self.tracker.records, self.run_dir)
-            for client in [*self.engines, rollout_client, self.controller]:
-                await client.aclose()
-        return self.tracker.records
-
-    def _connect(self, deployment: Deployment, rollout_client: EnginePool) -> GroupProducer:
-        """Clients of the engines and the controller, the rollout, the buffers and the producer that fills them."""
-        plan, m = self.plan, self.plan.multi_lora
+    async def _train(self, deployment: Deployment) -> list[dict[str, Any]]:
+        """Build the run's parts, start the producer filling the adapters' buffers, then iterate while an adapter is
+        left to load, train or clean up (service mode: for ever); everything is closed after, in reverse order."""
+        plan, m = self.plan, self.settings
         key = deployment.api_key  # the run's key: the engines, the session server and the controller require it
-        self.engines = [EngineClient(url, api_key=key) for url in deployment.engine_urls]
-        self.controller = ControllerClient(m.launch.url, api_token=key)
-        cache = AdaptersCache(self.controller.snapshot, ttl_s=CACHE_TTL_S)
-        ctx = RolloutContext.from_plan(plan, rollout_client, deployment.session_url, api_key=key)
-        # Failing requests are tolerated while a lost engine can be noticed (a collect times out) and restarted.
-        grace_s = m.max_empty_wait_s + plan.executor.health_timeout_s
-        self.rollout = MultiLoRARollout(ctx, cache, seed=plan.seed, unreachable_grace_s=grace_s)
-        self.buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.rollout.max_weight_staleness)
-        return GroupProducer(
-            cache, self.buffers, self.rollout.next_prompt, self.rollout.generate_group, concurrency=2 * m.slots
+        async with contextlib.AsyncExitStack() as stack:
+            trainer = make_multi_lora_trainer(plan, self.run_dir, deployment.remote_ranks)
+            stack.callback(trainer.close)  # the other trainer ranks leave
+            engines = [await stack.enter_async_context(EngineClient(u, api_key=key)) for u in deployment.engine_urls]
+            controller = await stack.enter_async_context(ControllerClient(m.launch.url, api_token=key))
+            # Rollouts spread their groups over the engines.
+            pool = await stack.enter_async_context(rollout_engines(plan, deployment.engine_urls, api_key=key))
+            ctx = RolloutContext.from_plan(plan, pool, deployment.session_url, api_key=key)
+            cache = AdaptersCache(controller.snapshot, ttl_s=CACHE_TTL_S)
+            # Failing requests are tolerated while a lost engine can be noticed (a collect times out) and restarted.
+            grace_s = m.max_empty_wait_s + plan.executor.health_timeout_s
+            rollout = MultiLoRARollout(ctx, cache, seed=plan.seed, unreachable_grace_s=grace_s)
+            stack.push_async_callback(rollout.aclose)
+            sync = make_sync(plan, engines, trainer_address=deployment.trainer_address)  # every push names its slot
+            stack.push_async_callback(sync.close)
+            probe = None
+            if plan.weight_sync.verify:  # every engine scores the probe under the adapter it was just pushed
+                probe = PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
+            pushes = Pushes(engines, sync, trainer, controller, self.events, probe)
+            checkpoints = AdapterCheckpoints(plan.checkpoint, trainer, rollout, controller)
+            reconciler = Reconciler(
+                controller, trainer, rollout, pushes, checkpoints, self.events, default_num_steps=plan.batch.num_steps
+            )
+            buffers = AdapterBuffers(plan.trainer.parallel.dp, plan.rollout.max_weight_staleness)
+            iteration = first_iteration(self.run_dir, self.resume)
+            tracker = make_tracker(plan, self.run_dir, iteration)
+            stack.callback(self._close_tracker, tracker)
+            recovery, records = EngineRecovery(self.executor, self.events), StepRecords(rollout, buffers)
+            parts = LoopParts(trainer, controller, buffers, reconciler, pushes, recovery, records, checkpoints, tracker)
+            producer = GroupProducer(
+                cache, buffers, rollout.next_prompt, rollout.generate_group, concurrency=2 * m.slots
+            )
+            freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
+            producer.start()
+            stack.push_async_callback(producer.stop)
+            while await has_work(controller, m):
+                if await self._iterate(parts, iteration):
+                    iteration += 1
+        return tracker.records
+
+    def _close_tracker(self, tracker: Tracker) -> None:
+        tracker.close()
+        plot_adapters(self.plan, tracker.records, self.run_dir)
+
+    # ---- one iteration ------------------------------------------------------------------------------
+
+    async def _iterate(self, parts: LoopParts, iteration: int) -> bool:
+        """reconcile -> push -> collect a batch -> train -> record -> checkpoint; False for a pass that trained
+        nothing (an engine restarted, nothing sampleable yet, no group arrived): the next one starts over."""
+        await parts.reconciler.reconcile(iteration)
+        sync_s = await parts.recovery.push_or_restart(
+            functools.partial(self._update_weights, parts, iteration), iteration
         )
-
-    def _assemble(self, trainer_address: str) -> None:
-        """The collaborators that do the loop's jobs, and the tracker (from the resumed iteration on)."""
-        self.sync = make_sync(self.plan, self.engines, trainer_address=trainer_address)  # every push names its slot
-        self.checkpoints = AdapterCheckpoints(self.plan.checkpoint, self.trainer, self.rollout, self.controller)
-        sync, model = self.plan.weight_sync, self.plan.model_path
-        probe = PushProbe(self.engines, probe_token_ids(model), sync.max_logprob_gap) if sync.verify else None
-        self.pushes = Pushes(self.engines, self.sync, self.trainer, self.controller, self.events, probe)
-        self.reconciler = Reconciler(
-            self.controller,
-            self.trainer,
-            self.rollout,
-            self.pushes,
-            self.checkpoints,
-            self.events,
-            default_num_steps=self.plan.batch.num_steps,
-        )
-        self.recovery = EngineRecovery(self.executor, self.events)
-        self.records = StepRecords(self.rollout, self.buffers)
-        self.iteration = first_iteration(self.run_dir, self.resume)
-        self.tracker = make_tracker(self.plan, self.run_dir, self.iteration)
-
-    # ---- the loop -----------------------------------------------------------------------------------
-
-    async def _loop(self) -> None:
-        while await self._has_work():
-            await self._iterate()
-
-    async def _has_work(self) -> bool:
-        """Bounded mode ends when no adapter is left to load, train or clean up; service mode waits for some."""
-        m = self.plan.multi_lora
-        while not (await self.controller.snapshot()).has_work:
-            if not m.service_mode:
-                return False
-            await asyncio.sleep(m.idle_poll_s)
-        return True
-
-    async def _iterate(self) -> None:
-        """reconcile -> push -> collect a batch -> train -> record -> checkpoint; a pass with nothing to train
-        (an engine restarted, nothing sampleable yet, no group arrived) ends early and the next one starts over."""
-        await self.reconciler.reconcile(self.iteration)
-        sync_s = await self._push()
         if sync_s is None:
-            return  # an engine restarted: the next pass pushes every adapter to it
-        snapshot = await self.controller.snapshot()
+            return False  # an engine restarted: the next pass pushes every adapter to it
+        snapshot = await parts.controller.snapshot()
         if not snapshot.sampleable:
             await asyncio.sleep(CACHE_TTL_S)
-            return
-        batch, collect_s = await self._collect(snapshot)
+            return False
+        parts.tracker.phase(iteration, "rollout")
+        batch, collect_s = await collect(parts.buffers, snapshot, self.settings, self.plan.batch.global_batch_size)
         if batch is None:
-            return
-        metrics, stepped, train_s = await self._train(batch)
+            return False
+        metrics, stepped, train_s = await self._train_batch(parts, batch, iteration)
         timings = {"batch/collect_seconds": collect_s, "sync/seconds": sync_s, "train/seconds": train_s}
-        await self._record(snapshot, batch, metrics, stepped, timings)
-        self.iteration += 1
+        await self._record(parts, iteration, snapshot, batch, metrics, stepped, timings)
+        return True
 
-    async def _push(self) -> float | None:
-        """Restart dead engines, then push; None when an engine died under the push and was restarted."""
-        try:
-            await self.recovery.restart_dead(self.iteration)
-            return await self._update_weights()
-        except (EngineUnavailable, EngineError, RuntimeError) as error:
-            if not await self.recovery.restarted_after(error, self.iteration):
-                raise
-            return None
-
-    async def _update_weights(self) -> float:
+    async def _update_weights(self, parts: LoopParts, iteration: int) -> float:
         """Push the adapters that stepped or are new (every loaded one to new engines); returns the seconds.
         Runs after the check for dead engines (fault-injection tests override it to kill one mid-push)."""
-        return await self.pushes.update(self.reconciler.loaded, self.iteration)
+        return await parts.pushes.update(parts.reconciler.loaded, iteration)
 
-    async def _collect(self, snapshot: RegistrySnapshot) -> tuple[TrainBatch | None, float]:
-        """A batch of the sampleable adapters' groups and the seconds it took; None when none arrived in time."""
-        m = self.plan.multi_lora
-        self.tracker.phase(self.iteration, "rollout")
-        started = time.perf_counter()
-        try:
-            batch = await collect_batch(
-                self.buffers,
-                snapshot,
-                target_samples=self.plan.batch.global_batch_size,
-                coalesce_wait_s=m.max_coalesce_wait_s,
-                empty_wait_s=m.max_empty_wait_s,
-            )
-        except EmptyBatchTimeoutError as error:
-            log.warning("%s; reconciling and trying again", error)
-            return None, 0.0
-        return batch, time.perf_counter() - started
-
-    async def _train(self, batch: TrainBatch) -> tuple[SlotMetrics, list[str], float]:
+    async def _train_batch(
+        self, parts: LoopParts, batch: TrainBatch, iteration: int
+    ) -> tuple[SlotMetrics, list[str], float]:
         """Train the batch: (metrics by slot, the adapters that stepped, seconds). Only after a successful train
         does the controller count their steps, and the next push carry their new weights."""
-        rollout_id = f"{self.run_dir.name}-{self.iteration}"
-        await self.controller.record_batch_adapters(rollout_id, batch.group_counts, batch.step_names)
-        self.tracker.phase(self.iteration, "train")
+        rollout_id = f"{self.run_dir.name}-{iteration}"
+        await parts.controller.record_batch_adapters(rollout_id, batch.group_counts, batch.step_names)
+        parts.tracker.phase(iteration, "train")
         started = time.perf_counter()
-        metrics = await asyncio.to_thread(self.trainer.train, batch.samples, batch.step_slots)
+        metrics = await asyncio.to_thread(parts.trainer.train, batch.samples, batch.step_slots)
         train_s = time.perf_counter() - started
-        stepped = await self.controller.mark_batch_trained(rollout_id)
-        self.pushes.want(stepped)
+        stepped = await parts.controller.mark_batch_trained(rollout_id)
+        parts.pushes.want(stepped)
         self.events.write(
-            self.iteration,
+            iteration,
             "trained",
             step_names=stepped,
             groups=[[g.adapter, g.slot, g.slot_version, g.registration_id, g.index] for g in batch.groups],
@@ -205,6 +175,8 @@ class MultiLoRALoop:
 
     async def _record(
         self,
+        parts: LoopParts,
+        iteration: int,
         snapshot: RegistrySnapshot,
         batch: TrainBatch,
         metrics: SlotMetrics,
@@ -212,8 +184,36 @@ class MultiLoRALoop:
         timings: dict[str, float],
     ) -> None:
         """The iteration's record (metrics.jsonl, wandb, progress), then each stepped adapter's checkpoint if due."""
-        steps = {name: (await self.controller.adapter_step(name)) for name in stepped}
-        record = self.records.record(self.iteration, snapshot, batch, metrics, steps, timings)
-        self.tracker.step_done(self.iteration, record)
+        steps = {name: (await parts.controller.adapter_step(name)) for name in stepped}
+        record = parts.records.record(iteration, snapshot, batch, metrics, steps, timings)
+        parts.tracker.step_done(iteration, record)
         for name, step in steps.items():
-            self.checkpoints.save_if_due(self.reconciler.loaded[name], step)
+            parts.checkpoints.save_if_due(parts.reconciler.loaded[name], step)
+
+
+async def has_work(controller: ControllerClient, settings: MultiLoRAPlan) -> bool:
+    """Bounded mode ends when no adapter is left to load, train or clean up; service mode waits for some."""
+    while not (await controller.snapshot()).has_work:
+        if not settings.service_mode:
+            return False
+        await asyncio.sleep(settings.idle_poll_s)
+    return True
+
+
+async def collect(
+    buffers: AdapterBuffers, snapshot: RegistrySnapshot, settings: MultiLoRAPlan, target_samples: int
+) -> tuple[TrainBatch | None, float]:
+    """A batch of the sampleable adapters' groups and the seconds it took; None when none arrived in time."""
+    started = time.perf_counter()
+    try:
+        batch = await collect_batch(
+            buffers,
+            snapshot,
+            target_samples=target_samples,
+            coalesce_wait_s=settings.max_coalesce_wait_s,
+            empty_wait_s=settings.max_empty_wait_s,
+        )
+    except EmptyBatchTimeoutError as error:
+        log.warning("%s; reconciling and trying again", error)
+        return None, 0.0
+    return batch, time.perf_counter() - started

@@ -20,7 +20,7 @@ from miles_runner.loops.multi_lora.recovery import engines_are_new
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.sglang_client.client import EngineClient
-from miles_runner.trainer.ranks import RankedTrainer
+from miles_runner.trainer.interface import MultiLoRATrainer
 from miles_runner.weight_sync.adapter_sync import AdapterSync
 from miles_runner.weight_sync.probe import PushProbe
 from miles_runner.weight_sync.verify import SyncVerificationError
@@ -36,7 +36,7 @@ class Pushes:
         self,
         engines: Sequence[EngineClient],
         sync: AdapterSync,
-        trainer: RankedTrainer,
+        trainer: MultiLoRATrainer,
         controller: ControllerClient,
         events: EventLog,
         probe: PushProbe | None = None,

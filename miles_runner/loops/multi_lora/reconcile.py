@@ -10,7 +10,7 @@ from miles_runner.loops.multi_lora.pushes import Pushes
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.rollout.multi_lora import MultiLoRARollout
-from miles_runner.trainer.ranks import RankedTrainer
+from miles_runner.trainer.interface import MultiLoRATrainer
 
 
 class Reconciler:
@@ -19,7 +19,7 @@ class Reconciler:
     def __init__(
         self,
         controller: ControllerClient,
-        trainer: RankedTrainer,
+        trainer: MultiLoRATrainer,
         rollout: MultiLoRARollout,
         pushes: Pushes,
         checkpoints: AdapterCheckpoints,
@@ -75,7 +75,7 @@ class Reconciler:
     def _clean_up(self, name: str, iteration: int) -> None:
         """Final checkpoint (when checkpoints are on), then release the slot's adapter and optimizer."""
         run = self.loaded.pop(name)
-        step = self.trainer.slots[run.slot].step  # the adapter's step: the trainer resumed it from the checkpoint
+        step = self.trainer.adapter_step(run.slot)  # counted on from the checkpoint it resumed from
         self.checkpoints.save_final(run, step)
         self.trainer.clear_adapter(run.slot)
         self.rollout.forget(name)

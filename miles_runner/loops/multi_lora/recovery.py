@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from miles_runner.executors.local import Executor
 from miles_runner.loops.multi_lora.events import EventLog
-from miles_runner.sglang_client.client import EngineClient
+from miles_runner.sglang_client.client import EngineClient, EngineError, EngineUnavailable
 from miles_runner.weight_sync.verify import SyncVerificationError
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules
@@ -40,6 +40,17 @@ class EngineRecovery:
             seconds = round(time.perf_counter() - started, 3)
             self.events.write(iteration, "engines_restarted", engines=restarted, seconds=seconds)
         return restarted
+
+    async def push_or_restart(self, push: Callable[[], Awaitable[float]], iteration: int) -> float | None:
+        """Restart dead engines, then `push` (returns its seconds); None when an engine died under the push and was
+        restarted (the next iteration's push then gives it every adapter)."""
+        try:
+            await self.restart_dead(iteration)
+            return await push()
+        except (EngineUnavailable, EngineError, RuntimeError) as error:
+            if not await self.restarted_after(error, iteration):
+                raise
+            return None
 
     async def restarted_after(self, error: Exception, iteration: int) -> bool:
         """Whether `error` (a push or version check that failed) came from an engine that died: one is restarted

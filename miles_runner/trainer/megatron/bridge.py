@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from miles_runner.trainer.megatron.model import MegatronCausalLM, enable_routing
 from miles_runner.trainer.megatron.parallel import Layout
 from miles_runner.trainer.megatron.raw_lora import megatron_targets
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # on a MoE model these name every expert's linears
 EXPERT_EXPORT_REFUSAL = (
@@ -227,9 +227,13 @@ def build_bridge_lora_model(
     if not allow_expert_ep:
         check_expert_export(moe, adapter, layout)
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=cpu_overrides(layout, moe=moe))
-    (gpt,) = provider.provide_distributed_model(
-        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
-    )
+    with warnings.catch_warnings():
+        # Bridge 0.6.2 deprecates its provider API, yet an HF checkpoint reaches megatron only through a provider
+        # (its own AutoBridge.to_megatron_model calls provide_distributed_model): there is no other path to take.
+        warnings.filterwarnings("ignore", "ModelProviderMixin-based", DeprecationWarning)
+        (gpt,) = provider.provide_distributed_model(
+            wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+        )
     lora = LoRA(
         target_modules=sorted(megatron_targets(list(adapter.target_modules))),
         dim=adapter.rank,
@@ -255,8 +259,8 @@ class BridgeTrainer(MegatronTrainer):
     PEFT names by Bridge. Starting from a PEFT adapter (adapters.path) is refused: Megatron-Bridge 0.6.2 has no
     PEFT -> megatron adapter import (a checkpoint resumes from each rank's own LoRA shards)."""
 
-    def _build_model(self, hf_config: dict) -> torch.nn.Module:
-        s = self.settings
+    def _build_model(self, hf_config: dict, settings: TrainerSettings) -> torch.nn.Module:
+        s = settings
         if s.adapter.init_path:
             raise ValueError(
                 f"adapters.path={s.adapter.init_path!r}: lora_mode=bridge cannot start from a PEFT "
@@ -270,7 +274,7 @@ class BridgeTrainer(MegatronTrainer):
     def _lora_parameters(self) -> list[torch.nn.Parameter]:
         return self.model.lora_parameters()
 
-    def _adapter_enabled(self, on: bool):
+    def _adapter_enabled(self, on: bool) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext() if on else self.model.disabled()
 
     def _complete_grads(self) -> float:
@@ -288,26 +292,12 @@ class BridgeTrainer(MegatronTrainer):
             "megatron import): train with lora_mode=raw to start from one"
         )
 
+    def _write_adapter(self, folder: Path) -> None:
+        self.model.export_adapter(folder)  # Bridge's save_hf_adapter
+
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return self.model.adapter_state()
 
     def adapter_config(self) -> dict[str, Any]:
         """Bridge's PEFT config of ``adapter_state`` (what save_hf_adapter writes)."""
         return self.model.adapter_config()
-
-    def save_adapter(self, out_dir: str | Path) -> Path:
-        """The PEFT folder Bridge's save_hf_adapter writes (collective), staged beside ``out_dir`` by rank 0 and
-        renamed into place, so a reader never sees half a folder."""
-        out = Path(out_dir)
-        staging = out.parent / f".{out.name}.staging"
-        if self.rank == 0:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-        self.model.export_adapter(staging)
-        if self.rank == 0:
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(staging, out)
-        if self.world_size > 1:
-            dist.barrier()
-        return out

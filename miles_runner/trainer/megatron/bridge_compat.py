@@ -1,7 +1,7 @@
 """What Megatron-Bridge needs to import and run LoRA on a CPU-only machine (no Transformer Engine), as checked
 stand-ins; megatron-core's own CPU adaptations are cpu_compat's.
 
-Measured on megatron-bridge 0.6.2 with megatron-core 0.19.2 (/work/shared/reference/environment.md, section 3b):
+Found on megatron-bridge 0.6.2 with megatron-core 0.19.2 (docs/development.md, "Megatron-Bridge on CPU"):
 
 1. ``megatron.bridge.peft.lora_layers`` imports ``transformer_engine.pytorch`` unconditionally (for its fused TE
    LoRA, which only a GPU run with ``use_transformer_engine_op_fuser`` builds). A stand-in module is importable
@@ -68,7 +68,7 @@ class _StandInModule(types.ModuleType):
 
 
 def _te_stand_in() -> dict[str, types.ModuleType]:
-    package = _StandInModule(TE_PACKAGE)
+    package: Any = _StandInModule(TE_PACKAGE)
     package.__path__ = []  # a package, so `import transformer_engine.pytorch` resolves its submodule
     pytorch = _StandInModule(f"{TE_PACKAGE}.pytorch")
     package.pytorch = pytorch
@@ -135,7 +135,7 @@ def turn_off_te_flags() -> None:
     if _transformer_engine_installed():
         return
     for name in TE_FLAG_MODULES:
-        module = importlib.import_module(name)
+        module: Any = importlib.import_module(name)
         if not hasattr(module, "HAVE_TE"):
             raise RuntimeError(
                 f"megatron-bridge {megatron_bridge_version()}: {name}.HAVE_TE no longer exists; the CPU stand-in "

@@ -344,7 +344,10 @@ def _export_experts(model: MegatronCausalLM, name: str, tensor: Tensor, out: dic
     from megatron.core import parallel_state as ps
 
     local_count = num_experts(model.hf_config) // model.layout.ep
-    index = int(_LOCAL_EXPERT.search(name).group(1)) % local_count
+    local = _LOCAL_EXPERT.search(name)
+    if local is None:
+        raise ValueError(f"{name} is not a local expert's parameter")
+    index = int(local.group(1)) % local_count
     for ep_rank, full in enumerate(_gather(tensor, ps.get_expert_model_parallel_group(), model.layout.ep)):
         global_name = _LOCAL_EXPERT.sub(f".local_experts.{ep_rank * local_count + index}.", name)
         out.update(hf_tensors(global_name, full, model.hf_config))

@@ -1,6 +1,6 @@
 """What megatron-core needs to run on a CPU-only torch build (gloo), as small, checked adaptations.
 
-megatron-core assumes CUDA in a few places (measured in /work/shared/reference/environment.md, sections 3 and 3b):
+megatron-core assumes CUDA in a few places (docs/development.md, "Megatron on CPU"):
 
 1. ``torch.cuda.current_device()`` is the device of RoPE frequencies, tensor-parallel gather/scatter buffers and
    router aux tensors: on CPU it must answer the CPU.
@@ -75,9 +75,11 @@ def adapt_current_device() -> None:
         torch.cuda.current_device = _cpu_current_device
 
 
-def _cpu_tracker_class(base: type) -> type:
+def _cpu_tracker_class(base: Any) -> type:  # megatron's class: untyped
     class CpuRNGStatesTracker(base):
         """megatron's RNG tracker with CPU generator states (the tensor-, data- and expert-parallel streams)."""
+
+        _current_state_name: str  # megatron's attribute (the stream a fork is in): declared for the type checker
 
         def add(self, name: str, seed: int) -> None:
             self._is_initialized = True
@@ -112,7 +114,7 @@ def _cpu_tracker_class(base: type) -> type:
 
 
 def adapt_rng_tracker() -> None:
-    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random: Any = importlib.import_module("megatron.core.tensor_parallel.random")
     if getattr(random.CudaRNGStatesTracker, _MARK, False):
         return
     # initialize_rng_tracker builds its tracker from the class name it looks up at call time
@@ -141,7 +143,7 @@ def adapt_sequence_parallel_norm() -> None:
 
 
 def adapt_te_general_gemm() -> None:
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    moe_utils: Any = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # what megatron-core means when Transformer Engine is absent
 

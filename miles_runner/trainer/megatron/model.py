@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
@@ -425,7 +426,6 @@ def _count(active: _ActiveReplay, layout: Layout, stats: ReplayStats) -> None:
         return
     counts = torch.stack([active.has_row.sum(), (active.differing & active.has_row).sum()])
     if layout.sp:
-        import torch.distributed as dist
         from megatron.core import parallel_state
 
         dist.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())

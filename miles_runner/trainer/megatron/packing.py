@@ -131,7 +131,9 @@ class CausalLMForLoss(torch.nn.Module):
         return SimpleNamespace(logits=out.logits[:rows, :width])
 
     def _replay(self, routes: Tensor | None):
-        return nullcontext() if routes is None else replay_routing(self.model, routes, self._routes[1])
+        if routes is None or self._routes is None:
+            return nullcontext()
+        return replay_routing(self.model, routes, self._routes[1])
 
     @contextmanager
     def replay_routing(self, routes: Tensor | None, stats: ReplayStats | None = None) -> Iterator[None]:

@@ -230,6 +230,8 @@ def _sites(model: torch.nn.Module, modules: set[str]) -> Iterator[tuple[str, tor
         for name, module in layer.named_modules():
             expert = _EXPERT.match(name)
             if expert and expert.group(2) in modules:
+                if expert_ids is None:
+                    raise ValueError(f"layer {global_layer}'s MoE names no local_expert_indices for {name}")
                 site = LoRASite(global_layer, expert.group(2), expert_ids[int(expert.group(1))])
             elif _DENSE.match(name) and name.rsplit(".", 1)[-1] in modules:
                 site = LoRASite(global_layer, name.rsplit(".", 1)[-1])

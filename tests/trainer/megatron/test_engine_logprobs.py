@@ -17,9 +17,9 @@ import pytest
 from miles_runner.plan.model import Plan
 from miles_runner.session.samples import Sample
 from miles_runner.sglang_client.client import EngineClient
-from miles_runner.trainer.fsdp import TrainerSettings
 from miles_runner.trainer.megatron import parallel
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
+from miles_runner.trainer.policy_trainer import TrainerSettings
 from miles_testkit.routing_gap import engine_samples, logprob_gap, measure_gaps, r3_engine, r3_plan
 
 from .fused_adapter import save_fused_adapter
