@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 # installed miles-run defaults to ~/.cache/miles-runner.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install run plan test test-fast tiny-models bytecode lint layers sglang-spec bridge-env bridge-test bench bench-peers clean
+.PHONY: install run plan test test-fast tiny-models bytecode check lint layers sglang-spec bridge-env bridge-test bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -84,7 +84,7 @@ PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 # the others. Files stay on one worker (shared servers start once; the Slurm file has one owner), the Slurm file and
 # slow files first (tests/conftest.py). The Bridge tests run alongside at nice 10. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
-test: layers sglang-spec bridge-env tiny-models bytecode
+test: check sglang-spec bridge-env tiny-models bytecode
 	bridge_log=$$(mktemp); nice -n 10 $(MAKE) --no-print-directory bridge-test > $$bridge_log 2>&1 & bridge=$$!; \
 	$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
 		--ignore=tests/trainer/megatron/bridge $(PYTEST_ARGS); main=$$?; \
@@ -104,11 +104,17 @@ bytecode: $(STAMP)
 
 # The inner loop: the unit tests only (no servers, processes or training runs), one worker per core. Hydra
 # composition is most of it, so the workers share their composed configs (tests/compiled.py).
-test-fast: layers sglang-spec bytecode
+test-fast: check sglang-spec bytecode
 	$(PYTEST) -q -n auto -m "not slow and not slurm and not integration" $(PYTEST_ARGS)
 
-lint: layers
+# What every test run checks first, statically: lint, formatting, types (pyproject's [tool.mypy]: strict on core,
+# config and plan) and the layers. .pre-commit-config.yaml runs the same commands.
+check: layers
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+lint: check
 
 # The package's layers and no import circles (import-linter contracts in pyproject.toml, docs/ARCHITECTURE.md).
 layers: $(STAMP)

@@ -22,10 +22,10 @@ Paths, each the real sync class of the runner against one real embedded engine p
 Per rank and path: `push` is the whole sync protocol a train step pays (pause, flush, unload, load, version,
 verify, continue); `load` is the adapter's own trip (serialize or broadcast, HTTP, install in the engine).
 The copy baseline is a numpy copy of a buffer of the same bytes into fresh memory (what any hand-off must at
-least do), measured in the same run; at these sizes it runs within the caches (1.5 and 3 MB within L2, at 40+
-GB/s), so the memory copy bandwidth (a buffer far larger than the caches) is shown beside it. GB/s = adapter
+least do), measured in the same run; at these sizes it runs within the caches (the smaller adapters fit in L2),
+so the memory copy bandwidth (a buffer far larger than the caches) is shown beside it. GB/s = adapter
 bytes / median seconds. `marginal` is the slope of a least-squares line through the fastest run of each rank
-(bytes per extra second), so that fixed per-sync costs (HTTP requests: about 0.5 ms each on loopback) do not hide
+(bytes per extra second), so that fixed per-sync costs (HTTP requests on loopback) do not hide
 the per-byte cost; the copy's own marginal, through its fastest runs of the same byte counts, is what it is
 compared with (seconds against bytes, both ways). The target is judged on the adapter's own trip (`load`), by
 that slope. Writes bench/results/adapter_sync_bandwidth.json and its section of bench/REPORT.md.
@@ -78,7 +78,7 @@ MODEL_NAME = f"qwen2.5-0.5b-shape-{NUM_LAYERS}layers-seed0"
 MEMORY_COPY_BYTES = 256 * 2**20
 PATHS = ("tensor", "tensor_copied", "tensor_inline", "broadcast")
 ROUNDS = 4  # the repeats of each rank are spread over this many rounds (measure_path)
-TARGET_FRACTION = 0.30  # the issue's target: sync at >= 30% of the copy bandwidth
+TARGET_FRACTION = 0.30  # the goal: sync at >= 30% of the copy bandwidth
 ADAPTER = "bench_adapter"
 DISAGGREGATED = ("topology=disaggregated", "topology.rollout_num_gpus=1", "topology.actor_num_gpus_per_node=1")
 
@@ -133,7 +133,7 @@ def plan(*overrides: str) -> Plan:
 
 def copy_seconds(nbytes: int, repeats: int) -> tuple[float, float]:
     """Median and least seconds of a numpy copy of `nbytes` into fresh memory: the plain-copy baseline (numpy's
-    copy is one memcpy on one thread; torch's clone, spread over threads, ran far slower on a busy 2-core
+    copy is one memcpy on one thread; torch's clone, spread over threads, runs far slower on a busy 2-core
     machine)."""
     source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     times = timings(source.copy, repeats * 4)
@@ -368,8 +368,8 @@ def target_verdict(figures: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # The marginal rates rest on the fastest of `repeats` runs at each rank. With 15, the broadcast's swung from
-    # 25% to 67% of the copy's between runs of one tree; with 40, three runs each of two trees stayed within 12 points.
+    # The marginal rates rest on the fastest of `repeats` runs at each rank: with too few, a busy machine leaves no
+    # undisturbed run at some rank and the broadcast's slope swings from run to run.
     parser.add_argument("--repeats", type=int, default=40)
     repeats = parser.parse_args().repeats
     figures = asyncio.run(run(ensure_model(), repeats))

@@ -39,7 +39,7 @@ NUM_EXPERTS = 128
 FIRST_PROMPT = 1024
 RESPONSE = (128, 384)
 OBSERVATION = (256, 512)
-TARGET_FRACTION = 0.50  # the target: merge at >= 50% of the copy bandwidth
+TARGET_FRACTION = 0.50  # the goal: merge at >= 50% of the copy bandwidth
 
 
 def turn_lengths(turns: int, seed: int = 0) -> list[tuple[int, int]]:

@@ -29,9 +29,9 @@ from miles_testkit.launch import start_engine
 TURNS = 10
 MAX_TOKENS = 4
 CONCURRENCY = (1, 32)
-# Rounds each way per concurrency. A round at 1 is 10 turns: 40 rounds left the added p50 within +-1.5 ms from run to
-# run (the engine's own latency varies by more than the target of 1 ms); 120 kept three runs within 0.70-0.92 ms.
-# At 32, 4 rounds (1,280 turns a side) put the added p99 anywhere from -34% to +43% of direct over three runs.
+# Rounds each way per concurrency. At 1 the engine's own latency varies by more than the added p50's target, so the
+# added p50 is stable from run to run only over many rounds; at 32 a round holds many turns, but the added p99, a
+# tail, still swings widely over a few rounds.
 ROUNDS = {1: 120, 32: 12}
 # Whole passes over both concurrencies: the table pools them; each pass's figures show the spread.
 PASSES = 3
@@ -78,8 +78,8 @@ async def measure(
     """One round: `concurrency` agents at once; their per-turn latencies and the round's wall seconds."""
     latencies: list[float] = []
     # The client the agentic rollout's agents chat through (rollout/agentic.py: httpx's API over aiohttp's pool).
-    # httpx's own pool put 250+ ms before the server even parsed the request into 5% of session turns at 32
-    # (timestamps at the client and at the server's ASGI entry; the server's event loop never lagged 30 ms).
+    # httpx's own pool delayed a share of session turns at high concurrency before the server even parsed them
+    # (timestamps at the client and at the server's ASGI entry, with the server's event loop not lagging).
     async with http_client("", timeout_s=600) as http:
         urls = []
         for _ in range(concurrency):

@@ -1,6 +1,7 @@
-"""Time per step of `miles-run` single-turn (`session=off`), with its breakdown and the start-up's, on issue 14's
-work: tiny-moe (2 layers), 8 prompts x 8 samples, at most 8 new tokens, one optimizer step per batch, LoRA r8 on
-q/k/v/o (the tiny_lora_agentic recipe's adapter, optimizer and learning rate), the single-turn `count` task.
+"""Time per step of `miles-run` single-turn (`session=off`), with its breakdown and the start-up's, on the work of
+bench/peers (BENCHMARKS.md): tiny-moe (2 layers), 8 prompts x 8 samples, at most 8 new tokens, one optimizer step per
+batch, LoRA r8 on q/k/v/o (the tiny_lora_agentic recipe's adapter, optimizer and learning rate), the single-turn `count`
+task.
 
 Each run is one `miles-run` process. Per step the loop records `step/seconds` (record to record, so it holds the
 rollout, train, sync, verify and bookkeeping) beside `rollout/seconds`, `train/seconds`, `sync/seconds` and

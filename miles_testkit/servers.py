@@ -46,7 +46,7 @@ class ThreadedServer:
         return self
 
     def request_stop(self) -> None:
-        """Ask the server to shut down without waiting (stop() then waits): uvicorn's shutdown takes 0.1-0.2 s of
+        """Ask the server to shut down without waiting (stop() then waits): uvicorn's shutdown waits out a few of its
         polls, so many servers asked first and joined after shut down side by side."""
         if self._server is not None:
             self._server.should_exit = True

@@ -2,7 +2,7 @@
 # A single-node Slurm cluster on this machine for the tests marked `slurm` (tests/slurm/conftest.py) and for
 # trying the Slurm launcher by hand: slurmctld and slurmd on 127.0.0.1, all daemons as root, state, logs and pids
 # under $SLURM_BASE, no accounting database (job states come from squeue/scontrol), no cgroup.conf.
-# Installs slurm-wlm with apt when it is missing (needs root). Adapted from shared/scripts/slurm_local.sh.
+# Installs slurm-wlm with apt when it is missing (needs root).
 #   usage: scripts/slurm_local.sh up|down|status
 set -euo pipefail
 SLURM_BASE=${SLURM_BASE:-/tmp/slurm-local}
@@ -17,8 +17,8 @@ wait_for() {  # wait_for <seconds> <cmd...>
   for _ in $(seq 1 "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "timeout waiting for: $*" >&2; return 1
 }
-stop_daemons() {  # SIGTERM the pid in each file at once, then wait for each: each takes about 2 s to stop, and
-  local f pid pids=()  # one after another took 6 s at the end of every test session
+stop_daemons() {  # SIGTERM the pid in each file at once, then wait for each: each takes seconds to stop, and
+  local f pid pids=()  # one after another they added up at the end of every test session
   for f in "$@"; do
     [ -s "$f" ] && pid=$(cat "$f") && kill "$pid" 2>/dev/null && pids+=("$pid:$f")
   done

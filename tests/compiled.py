@@ -1,9 +1,9 @@
 """Compiling override lists through the public path (Hydra compose -> compile_plan), memoised for the test run.
 
-Each compose costs ~0.2 s and the rule tables reuse the same configs (a bad config, then bad + its fix; the field
-coverage table refuses the same values), so outcomes are memoised. Hydra applies overrides in order and the last one
-for a key wins, so an earlier override of the same key is dropped first: `base + bad + fix` then shares its entry
-with `base + good`.
+Each compose costs a noticeable fraction of a second and the rule tables reuse the same configs (a bad config, then
+bad + its fix; the field coverage table refuses the same values), so outcomes are memoised. Hydra applies overrides in
+order and the last one for a key wins, so an earlier override of the same key is dropped first: `base + bad + fix` then
+shares its entry with `base + good`.
 
 Under pytest-xdist the composed configs are also shared between the workers of one run, as pickles in the folder
 that tests/conftest.py makes for the run (MEMO_ENV): the tests of one rule land on different workers, and each

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MILES_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 # One intra-op thread in every test process (read by torch when it first computes; children inherit it), as the
 # engine and the trainer ranks already use: with two, each op waits at an OpenMP barrier for the core the other
-# worker holds. The in-process GRPO proof took 94 s with two threads and 30 s with one beside a busy core.
+# worker holds, which slows a compute-heavy test (the in-process GRPO proof) several times beside a busy core.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Under pytest-xdist each worker's Ray clusters keep their session files (and `ray_current_cluster`, which
 # `address="auto"` reads) in a folder of their own, so that one worker's run never finds another's cluster.
@@ -73,8 +73,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The Slurm jobs' file first, then files with a `slow` test (the order within a file kept): `make test` hands whole
     # files to its workers in this order, so the long ones start at once instead of leaving one worker busy at the
-    # end. The Slurm file (2.5 min, a third of it waiting on the scheduler and the jobs' start-up) had come last: one
-    # worker ran it alone for 70-85 s while the other had nothing left, and its waits left a core idle.
+    # end. The Slurm file is long, much of it waiting on the scheduler and the jobs' start-up: run last, it kept one
+    # worker busy alone while the other had nothing left, and its waits left a core idle.
     slurm_files = {item.path for item in items if item.get_closest_marker("slurm")}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: (item.path not in slurm_files, item.path not in slow_files))
@@ -94,13 +94,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.stash[RUNNING_BEFORE] = running_processes()
 
 
+LAST_TEST = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    # After a worker's last test its session's shared servers stop, each fixture's stop() waiting for its own
-    # shutdown: 5-9 s one after another at the end of `make test`. Signalled together here, the shutdowns overlap.
-    # Only those that ran before this test began: the test's own fixtures may still need theirs.
-    if nextitem is None:
-        for process in item.stash.get(RUNNING_BEFORE, []):
+    item.stash[LAST_TEST] = nextitem is None  # read by overlap_final_shutdowns, torn down right after
+
+
+@pytest.fixture(autouse=True)
+def overlap_final_shutdowns(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a worker's last test its session's shared servers stop, each fixture's stop() waiting for its own
+    shutdown, one after another. Signalled together, the shutdowns overlap. Only those that ran before this test
+    began, and only once the test's function-scoped fixtures are torn down: an autouse fixture is set up before the
+    test's other function-scoped ones, so it is torn down after them (a fixture's cleanup may still call a shared
+    server), and before the module- and session-scoped ones that stop those servers."""
+    yield
+    if request.node.stash.get(LAST_TEST, False):
+        for process in request.node.stash.get(RUNNING_BEFORE, []):
             process.terminate()  # a no-op for one stopped meanwhile
 
 
@@ -108,7 +119,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def warm_start_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The runner's Python components that the tests start (engines, session servers, trainer ranks, ...) fork
     from one warm start server per test process (miles_runner/procs/warm.py), which has imported torch,
-    transformers and the rest once: an engine is healthy in well under a second instead of after ~4 s of CPU.
+    transformers and the rest once: an engine is healthy in a fraction of the time a cold start's imports take.
     Only where a selected test starts processes; MILES_WARM_START=off starts every component cold, as a plain run
     does. Its log (each child it forked, and why any started cold) is kept in pytest's base temporary folder."""
     wanted = any(item.get_closest_marker(m) for item in request.session.items for m in PROCESS_MARKERS)

@@ -2,8 +2,8 @@
 
 Through `python -m miles_runner.procs.warm_exec` when this test process has a warm start server (tests/conftest.py):
 the same module, argv, environment, pipes, signals and exit code, forked from a process that has imported torch,
-transformers and the rest (3.3 CPU-s less per driver start, about 30 of them in the suite). The console script itself
-starts as a user starts it in tests/cli/test_miles_run.py and tests/packaging.
+transformers and the rest (a cold driver's start is mostly those imports, and the suite starts many). The console script
+itself starts as a user starts it in tests/cli/test_miles_run.py and tests/packaging.
 """
 
 import os

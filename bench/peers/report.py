@@ -19,13 +19,14 @@ from typing import Any
 
 from bench.peers.records import SideRun
 from bench.peers.work import ROWS, PeerWork
+from miles_runner.core.paths import cache_dir
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 RESULTS_JSON = RESULTS_DIR / "peers.json"
 PLOT = RESULTS_DIR / "peers_reward.png"
 MAIN_PACKAGES = ("miles-runner", "torch", "transformers", "peft")
 PARTS = ("rollout_s", "train_s", "sync_s", "other_s")
-SINGLE_TURN_TARGET = 1.5  # issue 14: miles' single-turn median time per step <= 1.5x TRL's
+SINGLE_TURN_TARGET = 1.5  # the goal: miles' single-turn median time per step <= 1.5x TRL's
 
 Runs = list[dict[str, dict[str, SideRun]]]  # per run: row -> side ("trl" | "miles") -> what it measured
 
@@ -55,6 +56,13 @@ def main_versions() -> dict[str, str]:
     changed = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=here).returncode == 1
     versions["commit"] = (commit.stdout.strip() or "unknown") + (" with uncommitted changes" if changed else "")
     return versions
+
+
+def portable(path: str) -> str:
+    """`path` with the user's cache folder written as `<cache>` (miles_runner/core/paths.py), so that the report and
+    the saved results, which the repository keeps, name no folder of the machine that ran them."""
+    cache = str(cache_dir())
+    return "<cache>" + path[len(cache) :] if path == cache or path.startswith(cache + os.sep) else path
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -220,6 +228,8 @@ def command_lines(runs: Runs) -> list[str]:
 
 def write_report(runs: Runs, context: dict[str, Any], out: Path, results_dir: Path = RESULTS_DIR) -> None:
     """`context`: machine, started (a timestamp), work and peers (as dicts), versions (main, peers)."""
+    peers = {row: {**peer, "model_path": portable(peer["model_path"])} for row, peer in context["peers"].items()}
+    context = {**context, "peers": peers}
     results_dir.mkdir(parents=True, exist_ok=True)
     raw = {
         "context": context,
@@ -282,7 +292,7 @@ def report_lines(runs: Runs, context: dict[str, Any], figures: dict[str, Any], p
         "",
         f"![reward per step]({plot_link})",
         "",
-        "## Issue 14 targets (from this run)",
+        "## Targets (from this run)",
         "",
         *targets(figures),
         "",

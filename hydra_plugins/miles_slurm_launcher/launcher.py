@@ -38,6 +38,7 @@ class MilesSlurmLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         setup_globals()
+        assert self.config is not None, "Hydra calls setup() before launch()"
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         jobs, configs = [], []

@@ -191,8 +191,8 @@ def multirun(overrides: list[str], *, plan_only: bool, debug: bool) -> int:
         except PlanError as exc:
             failures.append((job, exc))
     if failures:
-        for job, exc in failures:
-            print(f"miles-run: sweep point [{' '.join(job)}]: {exc}\n", file=sys.stderr)
+        for job, error in failures:
+            print(f"miles-run: sweep point [{' '.join(job)}]: {error}\n", file=sys.stderr)
         return EXIT_PLAN_ERROR
     return launch_multirun(
         [*overrides, *sweep_dir_overrides(overrides, output_roots)], plan_only=plan_only, debug=debug

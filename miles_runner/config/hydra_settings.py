@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import OmegaConf
@@ -88,7 +88,7 @@ def launcher_fields(launcher: str) -> list[str] | None:
         node = ConfigStore.instance().load(f"{LAUNCHER_GROUP}/{launcher}.yaml").node
     except Exception:
         return None
-    return sorted(k for k in node if k != "_target_")
+    return sorted(str(k) for k in node if k != "_target_")
 
 
 def launcher_field_problem(launcher: str, key: str, text: str) -> Problem | None:
@@ -175,7 +175,7 @@ def shipped_run_dir() -> str:
 
 def user_run_dir(cfg: Any) -> str:
     """hydra.run.dir, resolved, when something other than the shipped config.yaml set it; else ""."""
-    raw = OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir")
+    raw = cast(dict[str, Any], OmegaConf.to_container(cfg.hydra.run, resolve=False)).get("dir")
     return "" if raw is None or raw == shipped_run_dir() else str(cfg.hydra.run.dir)
 
 

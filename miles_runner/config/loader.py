@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+# A field path -> the values it may take.
+Choices = Mapping[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def load_dataclass(
     """Build `cls` from nested dicts/lists; raise SchemaError listing every problem found. A key of `renamed`
     (old dotted path -> new) is reported at its old path with the new one as the hint."""
     issues: list[SchemaIssue] = []
-    value = _convert(cls, data, "", issues, choices or {})
+    value: T = _convert(cls, data, "", issues, choices or {})
     if issues:
         raise SchemaError([_renamed_issue(i, data, renamed) if renamed else i for i in issues])
     return value
@@ -85,14 +87,14 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _convert(tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices: Mapping) -> Any:
+def _convert(tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
         return _convert(args[0], value, path, issues, choices)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, path, issues, choices)
     if origin is list:
         return _convert_list(typing.get_args(tp)[0], value, path, issues, choices)
@@ -106,7 +108,7 @@ def _convert(tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices:
     return _convert_scalar(tp, value, path, issues, choices)
 
 
-def _convert_dataclass(cls: type, value: Any, path: str, issues: list[SchemaIssue], choices: Mapping) -> Any:
+def _convert_dataclass(cls: type, value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> Any:
     if value is None:
         value = {}
     if not isinstance(value, Mapping):
@@ -125,7 +127,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, issues: list[SchemaIssu
         return None
 
 
-def _convert_list(item_tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices: Mapping) -> list:
+def _convert_list(item_tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> list[Any]:
     if value is None:
         return []
     if isinstance(value, str) and item_tp is str:  # "a,b" on a command line means a list of two
@@ -136,7 +138,7 @@ def _convert_list(item_tp: Any, value: Any, path: str, issues: list[SchemaIssue]
     return [_convert(item_tp, v, f"{path}[{i}]", issues, choices) for i, v in enumerate(value)]
 
 
-def _convert_scalar(tp: type, value: Any, path: str, issues: list[SchemaIssue], choices: Mapping) -> Any:
+def _convert_scalar(tp: type, value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> Any:
     ok = (
         (tp is bool and isinstance(value, bool))
         or (tp is int and isinstance(value, int) and not isinstance(value, bool))

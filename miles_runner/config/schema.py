@@ -2,7 +2,7 @@
 
 Field defaults here are the single source of truth for default values: the Hydra base config is generated
 from them (`defaults_tree`), and group options, recipes and the command line only override. Field names follow
-the miles flags they stand for (see reference/miles-spec.md §1.1), with the `--` and section prefix dropped.
+the miles flags they stand for (see docs/system.md §1.1), with the `--` and section prefix dropped.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class AdapterEntry:
-    """One entry of `adapters.runs`: an adapter of a multi-LoRA run (spec §4.1). Unset values fall back to the
+    """One entry of `adapters.runs`: an adapter of a multi-LoRA run (docs/system.md §4.1). Unset values fall back to the
     `adapters.*` defaults."""
 
     name: str = ""

@@ -1,6 +1,6 @@
 """Adapter naming: the one place that says what an adapter is called on the engines and in request ids.
 
-Spec §3.1 and §4.5: a single adapter is served as `miles_lora`; multi-LoRA adapters live in engine slots named
+docs/system.md §3.1 and §4.5: a single adapter is served as `miles_lora`; multi-LoRA adapters live in engine slots named
 `__miles_slot_{k}`; a multi-LoRA request id is `name::uuid`, so an abort by the prefix `name::` can never reach
 another adapter (valid names cannot contain `::`).
 """
@@ -43,7 +43,7 @@ def extra_key(adapter: str, version: int) -> str:
 
 
 def adapter_request_fields(adapter: str, lora_name: str, version: int) -> dict[str, str]:
-    """The fields every multi-LoRA request carries (spec §4.5): the engine slot it decodes with, a rid that a
+    """The fields every multi-LoRA request carries (docs/system.md §4.5): the engine slot it decodes with, a rid that a
     prefix abort of this adapter reaches, and the radix-cache namespace of this adapter version."""
     # SGLang's /generate calls the adapter's name `lora_path`.
     return {"lora_path": lora_name, "rid": make_rid(adapter), "extra_key": extra_key(adapter, version)}
@@ -63,7 +63,7 @@ def adapter_name_problem(name: str) -> str | None:
 
 
 def min_groups_per_dp_split(n: int, dp: int) -> int | None:
-    """Spec §4.6: max(n,dp)//n when the larger divides by the smaller, else None (undefined)."""
+    """docs/system.md §4.6: max(n,dp)//n when the larger divides by the smaller, else None (undefined)."""
     if n <= 0 or dp <= 0:
         return None
     big, small = max(n, dp), min(n, dp)

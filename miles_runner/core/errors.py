@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ComponentFailure(RuntimeError):
         super().__init__(f"{component}: {reason}")
         self.component, self.reason, self.log_path, self.log_tail = component, reason, log_path, log_tail
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[type[ComponentFailure], tuple[str, str], dict[str, Any]]:
         """Pickles whole (a node agent's failures cross Ray): the default rebuilds from args, one string."""
         return type(self), (self.component, self.reason), self.__dict__
 

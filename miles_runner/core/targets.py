@@ -1,4 +1,4 @@
-"""LoRA target modules: expansion of `all-linear` (MLA-aware) and exclusion, per spec §1.2 rules 18-19."""
+"""LoRA target modules: expansion of `all-linear` (MLA-aware) and exclusion, per docs/system.md §1.2 rules 18-19."""
 
 from __future__ import annotations
 

@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     # One intra-op thread: the matrices are tiny, and with two OpenMP threads every op waits at a barrier for
-    # a second core that other processes share (measured 5x slower per token on the loaded 2-core machine).
-    # Concurrency comes from batching instead.
+    # a second core that other processes share, so one busy core stalls every token. Concurrency comes from
+    # batching instead.
     torch.set_num_threads(1)
     torch.manual_seed(args.random_seed)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -120,7 +120,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(request, f"Internal server error: {exc}", 500)
 
 
-def _without_union_noise(errors: list[dict]) -> list[tuple[tuple, dict]]:
+def _without_union_noise(errors: Sequence[dict[str, Any]]) -> list[tuple[tuple, dict]]:
     """(field path, error) of the errors that say what is wrong. A value that fails every member of a union
     (`sampling_params`: one or a list) gets an error per member: an error deeper in the value, or one that is not
     a mere type mismatch at the same place, says more than "not a list"."""
@@ -292,7 +292,7 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
             return _lora_reply(engine, str(exc))
         return _lora_reply(engine)
 
-    load_lora_adapter_from_tensors.body_model = LoadLoRAAdapterFromTensorsReqInput  # FastAPI sees no body param
+    load_lora_adapter_from_tensors.body_model = LoadLoRAAdapterFromTensorsReqInput  # type: ignore[attr-defined]  # FastAPI sees no body param
 
     @app.post("/unload_lora_adapter", responses=LORA)
     @admin_optional
@@ -331,7 +331,7 @@ def _add_lora_and_weight_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
 
 async def _large_body(request: Request, model: type[BodyModel]) -> BodyModel:
     """A body that carries tensors (megabytes of base64), validated by pydantic's own JSON parser: FastAPI's way
-    (json.loads, then validating the dict) took several times longer (bench/adapter_sync_bandwidth.py). A bad
+    (json.loads, then validating the dict) is several times slower on them (bench/adapter_sync_bandwidth.py). A bad
     body reaches the same handler, with the same field paths, as FastAPI's own validation errors. Such a route
     names its model in `endpoint.body_model`, where the protocol tests read it."""
     try:

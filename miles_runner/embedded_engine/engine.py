@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles_runner.embedded_engine.args import ServerArgs
 from miles_runner.embedded_engine.detokenizer import Detokenizer
@@ -94,8 +94,10 @@ class EmbeddedEngine:
         self._gated: set[str] = set()  # item rids waiting at the pause gate (not yet with the scheduler)
         self._aborted_at_gate: set[str] = set()  # of those, the ones an abort matched
         self._seed_counter = 0
-        self._unpaused: asyncio.Event | None = None
-        self._lora_lock: asyncio.Lock | None = None
+        # asyncio's Event and Lock bind to the loop that first waits on them: they can be made before it runs.
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._lora_lock = asyncio.Lock()
         self.ready = False
         self.stopping = False
         for spec in args.lora_paths:  # before the worker starts, so no thread hop is needed
@@ -105,9 +107,6 @@ class EmbeddedEngine:
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
-        self._lora_lock = asyncio.Lock()
         self.scheduler.start(asyncio.get_running_loop())
         self.ready = True
 
@@ -118,8 +117,7 @@ class EmbeddedEngine:
         self.stopping = True
         self._aborted_at_gate |= self._gated
         self.scheduler.request_stop()
-        if self._unpaused is not None:
-            self._unpaused.set()
+        self._unpaused.set()
 
     def shutdown(self) -> None:
         self.ready = False
@@ -187,7 +185,7 @@ class EmbeddedEngine:
         if body.text is not None:
             texts = body.text if isinstance(body.text, list) else [body.text]
             return [self.tokenize(t) for t in texts], isinstance(body.text, list)
-        ids = body.input_ids
+        ids: list[Any] = body.input_ids or []  # token ids, or a list of them (a batch)
         batched = bool(ids) and isinstance(ids[0], list)
         return (list(ids) if batched else [list(ids)]), batched
 

@@ -9,7 +9,7 @@
   cannot mix in one pass, so while one is loaded each adapter's rows run as their own pass.
 - An adapter loaded from tensors and then unloaded is parked, not deleted (one at most): a load of the same name
   and config, the colocated sync's unload-then-load, copies the new tensors into its weights instead of building
-  peft's modules again (24 of the 34 ms of a sync, bench/adapter_sync_bandwidth.py), as SGLang's LoRA memory pool
+  peft's modules again (most of a sync's time; bench/adapter_sync_bandwidth.py), as SGLang's LoRA memory pool
   reuses its buffers. A broadcast load receives straight into them (``parked_weights``) and copies nothing. A
   parked adapter is never served (the engine's registry no longer names it); any other load deletes it first.
 - Every change of weights bumps a generation (the base's, or the adapter's), and prefix-cache entries carry the one
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,7 +134,7 @@ class ModelRunner:
         return [outputs[i] for i in range(len(rows))]
 
     def _forward_groups(self, rows: list[RowInput]) -> list[list[int]]:
-        if self.peft is None or self._adapters_mix_in_one_pass():
+        if self.peft is None or self._adapters_mix_in_one_pass(self.peft):
             return [list(range(len(rows)))]
         by_adapter: dict[str | None, list[int]] = {}
         for index, row in enumerate(rows):
@@ -166,7 +167,7 @@ class ModelRunner:
     def _call_model(self, adapters: list[str | None], kwargs: dict):
         if self.peft is None:
             return self.model(**kwargs)
-        if len(set(adapters)) > 1 and self._adapters_mix_in_one_pass():
+        if len(set(adapters)) > 1 and self._adapters_mix_in_one_pass(self.peft):
             # PeftModel.forward routes each row through its own adapter via peft's mixed-batch hooks.
             return self.peft(**kwargs, adapter_names=[a or BASE_ADAPTER for a in adapters])
         # One adapter per pass (every row's, the common case, without the per-row hooks of a mixed batch); the zero
@@ -182,17 +183,17 @@ class ModelRunner:
         placeholder = LoraConfig(r=1, lora_alpha=1, target_modules=targets, init_lora_weights=True)
         return get_peft_model(self.model, placeholder, adapter_name=PLACEHOLDER_ADAPTER).eval()
 
-    def _adapters_mix_in_one_pass(self) -> bool:
+    def _adapters_mix_in_one_pass(self, peft: Any) -> bool:
         """Whether no loaded adapter wraps parameters; asked every forward, so the module walk runs only when the
         set of loaded adapters has changed since the last answer."""
-        loaded = tuple(self.peft.peft_config.items())  # held: a config object is never mistaken for a later one
+        loaded = tuple(peft.peft_config.items())  # held: a config object is never mistaken for a later one
         if len(loaded) != len(self._mixable_for) or any(
             name != seen or config is not seen_config
             for (name, config), (seen, seen_config) in zip(loaded, self._mixable_for, strict=True)
         ):
             from peft.tuners.lora.layer import ParamWrapper
 
-            self._mixable = not any(isinstance(m, ParamWrapper) for m in self.peft.modules())
+            self._mixable = not any(isinstance(m, ParamWrapper) for m in peft.modules())
             self._mixable_for = loaded
         return self._mixable
 

@@ -1,6 +1,8 @@
-"""``/generate`` response objects (SGLang §1.3-1.5) built from a ``GenerationResult``."""
+"""``/generate`` response objects (docs/sglang-protocol.md §1.3-1.5) built from a ``GenerationResult``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from miles_runner.embedded_engine.request import GenerationResult
 
@@ -33,8 +35,8 @@ def meta_info(result: GenerationResult) -> dict:
     return meta
 
 
-def generate_item(result: GenerationResult, index: int | None = None) -> dict:
-    item = {
+def generate_item(result: GenerationResult, index: int | None = None) -> dict[str, Any]:
+    item: dict[str, Any] = {
         "text": result.text,
         "output_ids": result.output_ids,
         "meta_info": meta_info(result),

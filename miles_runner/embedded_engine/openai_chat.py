@@ -1,4 +1,4 @@
-"""``/v1/chat/completions`` on top of the native engine (SGLang's serving_chat, §8).
+"""``/v1/chat/completions`` on top of the native engine (SGLang's serving_chat; docs/sglang-protocol.md §8).
 
 Mapping: ``logprobs`` -> ``return_logprob`` (with token text), ``top_logprobs`` -> ``top_logprobs_num``,
 ``max_completion_tokens or max_tokens`` -> ``max_new_tokens``, ``seed`` -> ``sampling_seed``; the adapter is
@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from miles_runner.embedded_engine.engine import EmbeddedEngine
 from miles_runner.embedded_engine.native_response import generate_item
@@ -149,10 +150,10 @@ async def chat_stream(
         finished = result.finish_reason is not None
         text = result.text if finished else result.text.rstrip("\ufffd")  # hold back half a character
         delta = text[len(sent_text[index]) :] if text.startswith(sent_text[index]) else ""
-        choice = {"index": index, "delta": {"content": delta}, "finish_reason": None}
+        choice: dict[str, Any] = {"index": index, "delta": {"content": delta}, "finish_reason": None}
         if body.logprobs:
             choice["logprobs"] = _logprobs(result, sent_tokens[index])
-        if finished:
+        if result.finish_reason is not None:
             finals[index] = result
             choice["finish_reason"] = result.finish_reason["type"]
             choice["matched_stop"] = result.finish_reason.get("matched")

@@ -8,7 +8,7 @@ filtered on its way out). The engine answers:
   the request was well formed but refused;
 - 401 ``{"error": "Unauthorized"}`` when the engine has a key and the request lacks it (never on /health*);
 - 499 (no body) when the client went away before its generation finished; 500 when one request failed inside a
-  batched step (it alone: issue 15); 503 (no body) from /health* while the engine is not serving.
+  batched step (it alone, never the requests beside it); 503 (no body) from /health* while the engine is not serving.
 
 FastAPI's 422 is never answered (the engine remaps body validation errors to 400, as SGLang does), so
 :func:`truthful_openapi` removes it from every operation.
@@ -100,7 +100,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def _json(model: type[BaseModel] | dict, description: str) -> dict:
+def _json(model: type[BaseModel] | dict[str, Any], description: str) -> dict[str, Any]:
     return (
         {"model": model, "description": description}
         if isinstance(model, type)
@@ -108,21 +108,27 @@ def _json(model: type[BaseModel] | dict, description: str) -> dict:
     )
 
 
-def _ref(model: type[BaseModel]) -> dict:
+def _ref(model: type[BaseModel]) -> dict[str, Any]:
     """A schema by name (inside anyOf, where FastAPI does not collect models): truthful_openapi adds it."""
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-NO_BODY = {"content": {}}
+# A route's `responses=`: the documented answer for each status code.
+Responses = dict[int | str, dict[str, Any]]
+
+NO_BODY: dict[str, Any] = {"content": {}}
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
-UNAUTHORIZED = {401: _json(Unauthorized, "The engine has an API key and the request does not carry it")}
-NATIVE_400 = {400: _json(NativeError, "Bad request: the message names the field"), **UNAUTHORIZED}
-OPENAI_400 = {400: _json(OpenAIError, "Bad request (OpenAI error object): the message names the field"), **UNAUTHORIZED}
+UNAUTHORIZED: Responses = {401: _json(Unauthorized, "The engine has an API key and the request does not carry it")}
+NATIVE_400: Responses = {400: _json(NativeError, "Bad request: the message names the field"), **UNAUTHORIZED}
+OPENAI_400: Responses = {
+    400: _json(OpenAIError, "Bad request (OpenAI error object): the message names the field"),
+    **UNAUTHORIZED,
+}
 FAILED_ALONE = "This request failed inside a batched step (its neighbours were not affected)"
-GONE = {499: {"description": "The client disconnected; its generation was aborted", **NO_BODY}}
+GONE: Responses = {499: {"description": "The client disconnected; its generation was aborted", **NO_BODY}}
 
 
-def generate_responses() -> dict:
+def generate_responses() -> Responses:
     one_or_many = {"anyOf": [_ref(GenerateItem), {"type": "array", "items": _ref(GenerateItem)}]}
     ok = {
         "description": "One item, or a list for a batch or n > 1; an event stream when stream=true",
@@ -131,7 +137,7 @@ def generate_responses() -> dict:
     return {200: ok, **NATIVE_400, **GONE, 500: _json(NativeError, FAILED_ALONE)}
 
 
-def chat_responses() -> dict:
+def chat_responses() -> Responses:
     ok = {
         "description": "A chat.completion; chat.completion.chunk events when stream=true",
         "content": {"application/json": {"schema": _ref(ChatCompletion)}, **SSE},
@@ -139,7 +145,7 @@ def chat_responses() -> dict:
     return {200: ok, **OPENAI_400, **GONE, 500: _json(OpenAIError, FAILED_ALONE)}
 
 
-def reply_responses(model: type[BaseModel], what: str) -> dict:
+def reply_responses(model: type[BaseModel], what: str) -> Responses:
     """A LoRA or weight route: 200 and a refused request share the route's own body; a malformed body is the
     native error."""
     refused = {"anyOf": [_ref(model), _ref(NativeError)]}
@@ -150,19 +156,19 @@ def reply_responses(model: type[BaseModel], what: str) -> dict:
     }
 
 
-ABORT = {200: {"description": "Aborted (or nothing matched)", **NO_BODY}, **NATIVE_400}
-STATUS = {200: _json(StatusMessage, "Done"), **NATIVE_400}
-VERSION = {200: _json(WeightVersionReply, "The new weight version"), **NATIVE_400}
+ABORT: Responses = {200: {"description": "Aborted (or nothing matched)", **NO_BODY}, **NATIVE_400}
+STATUS: Responses = {200: _json(StatusMessage, "Done"), **NATIVE_400}
+VERSION: Responses = {200: _json(WeightVersionReply, "The new weight version"), **NATIVE_400}
 PLAIN = {"text/plain": {"schema": {"type": "string"}}}
-FLUSH = {
+FLUSH: Responses = {
     200: {"description": "Flushed", "content": PLAIN},
     400: {"description": "Not flushed: requests are running or waiting", "content": PLAIN},
     **UNAUTHORIZED,
 }
-HEALTH = {200: {"description": "Serving", **NO_BODY}, 503: {"description": "Not serving", **NO_BODY}}
-INFO = {200: _json({"type": "object"}, "Model or server information (no secrets)"), **UNAUTHORIZED}
-MODELS = {200: _json(ModelList, "The base model and every loaded adapter"), **UNAUTHORIZED}
-MODEL_CARD = {
+HEALTH: Responses = {200: {"description": "Serving", **NO_BODY}, 503: {"description": "Not serving", **NO_BODY}}
+INFO: Responses = {200: _json({"type": "object"}, "Model or server information (no secrets)"), **UNAUTHORIZED}
+MODELS: Responses = {200: _json(ModelList, "The base model and every loaded adapter"), **UNAUTHORIZED}
+MODEL_CARD: Responses = {
     200: _json(ModelCard, "The model or adapter"),
     404: _json(OpenAIError, "No such model or adapter (code model_not_found)"),
     **UNAUTHORIZED,

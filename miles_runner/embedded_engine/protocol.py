@@ -42,7 +42,8 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     n: int = 1
     sampling_seed: int | None = None
-    # Accepted and not applied by the embedded engine (documented in README of the engine package).
+    # Accepted so that every request SGLang takes is taken (the penalties range-checked as SGLang does, validation.py)
+    # and not applied: the embedded engine's sampler has no penalties and no custom logit processor.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0

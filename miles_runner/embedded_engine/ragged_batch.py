@@ -73,7 +73,7 @@ class RaggedLayout:
 
         def padded(layer: int, part: int) -> torch.Tensor:
             rows = [
-                cache[layer][part].transpose(0, 1) if c else empty
+                cache[layer][part].transpose(0, 1) if c and cache is not None else empty
                 for cache, c in zip(caches, self.cache_lens, strict=True)
             ]  # (len, heads, dim) each
             batch = pad_sequence(rows, batch_first=True, padding_side="left")  # (B, max len, heads, dim)

@@ -228,13 +228,13 @@ class ReqState:
         )
 
     def _text(self, detok: Detokenizer) -> str:
-        sampling, ids, finish = self.req.sampling, self.output_ids, self.finish_reason
-        trim = not sampling.no_stop_trim and finish is not None and finish.get("type") == "stop"
-        if trim and isinstance(finish["matched"], int):
+        sampling, ids, finish = self.req.sampling, self.output_ids, self.finish_reason or {}
+        matched = finish["matched"] if not sampling.no_stop_trim and finish.get("type") == "stop" else None
+        if isinstance(matched, int):
             ids = ids[:-1]
         text = detok.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
-        if trim and isinstance(finish["matched"], str):
-            text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
+        if isinstance(matched, str):
+            text = text[: text.find(matched)] if matched in text else text
         return text
 
     def _logprob_fields(self) -> dict:

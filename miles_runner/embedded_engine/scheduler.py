@@ -84,7 +84,7 @@ class Scheduler:
         self._deferred: list[_Deferred] = []
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # the server's, given to start()
         self._thread = threading.Thread(target=self._work, name="embedded-engine-worker", daemon=True)
 
     # ----- called from the event loop ----------------------------------------------------------------------
@@ -257,6 +257,7 @@ class Scheduler:
         if (
             self.prefix_cache is None
             or state.cache is None
+            or state.finish_reason is None
             or state.finish_reason.get("type") == "abort"
             or state.cache_namespace != self._namespace(state)
         ):

@@ -1,4 +1,4 @@
-"""Where the multi-LoRA controller service runs (spec §4.3): a child process of the driver with the local
+"""Where the multi-LoRA controller service runs (docs/system.md §4.3): a child process of the driver with the local
 executor; with `executor=ray`, the same service under the named Ray actor `miles_multi_lora_controller` in
 namespace `miles` (num_cpus=0, pinned to the head node), which owns the service process's lifetime.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
+from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict
 from miles_runner.procs.launch import check_ports, launch_process
 from miles_runner.procs.process import ManagedProcess
 
@@ -22,12 +22,19 @@ CONTROLLER_ACTOR = "miles_multi_lora_controller"
 NAMESPACE = "miles"
 
 
+def controller_launch(plan: Plan) -> Launch:
+    if plan.multi_lora is None:
+        raise ValueError("this plan has no multi-LoRA controller (adapters=single)")
+    return plan.multi_lora.launch
+
+
 def controller_process(plan: Plan, run_dir: Path) -> ManagedProcess:
     """The controller service as a supervised child process (`with` starts it healthy), run in the run folder."""
-    check_ports([("the multi-LoRA controller", plan.multi_lora.launch)])
+    launch = controller_launch(plan)
+    check_ports([("the multi-LoRA controller", launch)])
     return launch_process(
         "multi_lora_controller",
-        plan.multi_lora.launch,
+        launch,
         run_dir / "logs",
         startup_timeout_s=plan.executor.health_timeout_s,
         cwd=run_dir,
@@ -39,10 +46,11 @@ class ControllerActorBody:
 
     def __init__(self, plan_dict: dict[str, Any], run_dir: str) -> None:
         plan = plan_from_dict(plan_dict)
-        self.host, self.port = plan.multi_lora.launch.host, plan.multi_lora.launch.port
+        launch = controller_launch(plan)
+        self.host, self.port = launch.host, launch.port
         self.process = controller_process(plan, Path(run_dir))
 
-    def start(self) -> int:
+    def start(self) -> int | None:
         """Start the service and wait until it is healthy; returns its pid."""
         self.process.start()
         self.process.wait_healthy()

@@ -136,8 +136,8 @@ def agent_gone_errors() -> tuple[type[BaseException], ...]:
 @dataclass
 class AgentHandle:
     """The driver's view of one node agent. `lost` is the error of the first call that found it gone: later calls
-    fail at once with it, instead of each waiting for Ray to give up on a node it has not yet declared dead (about
-    5 s a call while Ray retries the address of a removed node)."""
+    fail at once with it, instead of each waiting for Ray to give up on a node it has not yet declared dead (each
+    call would wait out Ray's retries of a removed node's address)."""
 
     node: int
     actor: Any

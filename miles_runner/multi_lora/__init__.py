@@ -1,4 +1,4 @@
-"""Multi-LoRA (spec §4): many adapters trained at once on shared engines.
+"""Multi-LoRA (docs/system.md §4): many adapters trained at once on shared engines.
 
 Control plane: `config` (what an adapter run is, and the checks at registration), `registry` (the lifecycle
 state machine), `controller` (the registry plus aborts on the engines), `http_server` and `client` (the API

@@ -1,4 +1,4 @@
-"""Per-adapter group buffers and the round-robin selection of train groups (spec §4.6).
+"""Per-adapter group buffers and the round-robin selection of train groups (docs/system.md §4.6).
 
 The producer puts finished groups in; the batch collector takes them out with `get_groups`, in whole
 `min_groups_per_dp_split` chunks, round-robin over the live adapters (the rotation persists across calls),

@@ -1,4 +1,4 @@
-"""`AdaptersCache` (spec §4.3): the controller's snapshot, refreshed at most once per TTL, for the hot path.
+"""`AdaptersCache` (docs/system.md §4.3): the controller's snapshot, refreshed at most once per TTL, for the hot path.
 
 Every request asks whether its adapter is still sampleable and at which version; one snapshot per second
 serves them all. A failed refresh is logged and the last good snapshot kept (before the first success, no

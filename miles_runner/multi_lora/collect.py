@@ -1,4 +1,4 @@
-"""One train batch from the adapters' buffers (spec §4.6 `collect_batch`).
+"""One train batch from the adapters' buffers (docs/system.md §4.6 `collect_batch`).
 
 It fills up to `target_samples` (the global batch size) from `AdapterBuffers.get_groups`; a non-empty batch
 ships once no group has arrived for `coalesce_wait_s` (or once every adapter has all it needs), and an

@@ -1,4 +1,4 @@
-"""One adapter run's configuration (spec §4.1) and the checks it passes at registration (§4.3).
+"""One adapter run's configuration (docs/system.md §4.1) and the checks it passes at registration (§4.3).
 
 An adapter comes from the plan (`AdapterSpec`) or from a POST to the controller's API; both go through
 `resolve_adapter_config`, so the same values are defaulted and the same rules apply either way. Every problem

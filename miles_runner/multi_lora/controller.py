@@ -1,4 +1,4 @@
-"""The multi-LoRA controller (spec §4.3): the registry, the checks at registration, and aborts on the engines.
+"""The multi-LoRA controller (docs/system.md §4.3): the registry, the checks at registration, and aborts on the engines.
 
 A plain class whose methods are the ones a Ray actor would expose; today it runs inside the controller's
 HTTP service (`http_server`), and the driver reaches it through `client.ControllerClient`, which has the

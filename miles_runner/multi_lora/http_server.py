@@ -1,4 +1,5 @@
-"""The controller's HTTP API (spec §4.4), and the control routes the driver uses through `client.ControllerClient`.
+"""The controller's HTTP API (docs/system.md §4.4), and the control routes the driver uses through
+`client.ControllerClient`.
 
 Public routes: GET /health; GET/POST /adapter_runs; GET /adapter_runs/state?names=...; GET/DELETE
 /adapter_runs/{name}; GET /state (the registry snapshot). A bad request gets a 4xx with a message: 400 for a
@@ -123,7 +124,7 @@ def create_app(
     async def health() -> Health:
         return Health(status="healthy")
 
-    keyed = {"dependencies": [Depends(bearer_check(api_token))], "responses": error_responses(401)}
+    keyed: dict[str, Any] = {"dependencies": [Depends(bearer_check(api_token))], "responses": error_responses(401)}
     app.include_router(public_routes(controller, adapters_dir), **keyed)
     app.include_router(control_routes(controller), **keyed)
     return app
@@ -205,10 +206,10 @@ def control_routes(controller: MultiLoRAController) -> APIRouter:
 
 def registration_config(body: RegisterBody, adapters_dir: str | Path | None) -> dict[str, Any]:
     """The overrides of a registration: the inline config, or a YAML file inside `adapters_dir`."""
-    if (body.config is None) == (body.yaml_path is None):
-        raise BadRequest("give exactly one of 'config' and 'yaml_path'")
-    if body.config is not None:
+    if body.config is not None and body.yaml_path is None:
         return body.config.model_dump(exclude_none=True)
+    if body.config is not None or body.yaml_path is None:
+        raise BadRequest("give exactly one of 'config' and 'yaml_path'")
     text = read_adapter_yaml(body.yaml_path, adapters_dir)
     try:
         loaded = yaml.safe_load(text)

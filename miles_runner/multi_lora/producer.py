@@ -1,4 +1,4 @@
-"""The rollout producer (spec §4.6 `AsyncMultiLoRAWorker`): groups for every live adapter, independent of
+"""The rollout producer (docs/system.md §4.6 `AsyncMultiLoRAWorker`): groups for every live adapter, independent of
 the trainer, into `AdapterBuffers`.
 
 It keeps up to `concurrency` group tasks in flight, always topping up the sampleable adapter with the
@@ -113,8 +113,8 @@ class GroupProducer:
     def _reap(self) -> None:
         for task in [task for task in self._tasks if task.done()]:
             del self._tasks[task]
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()
+            if not task.cancelled() and (error := task.exception()) is not None:
+                raise error
 
     def _fill(self, live: dict[str, AdapterRun]) -> None:
         while len(self._tasks) < self.concurrency:

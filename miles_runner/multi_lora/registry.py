@@ -1,4 +1,4 @@
-"""The adapter registry (spec §4.2): which adapter holds which engine slot, in which lifecycle state.
+"""The adapter registry (docs/system.md §4.2): which adapter holds which engine slot, in which lifecycle state.
 
 PENDING (registered, weights not yet on the engines) -> ACTIVE (sampled and trained) -> RETIRING (asked to
 stop; still sampled and trained until the driver reconciles) -> CLEANUP (its requests aborted; the trainer
@@ -64,7 +64,7 @@ class AdapterRecord:
 
 @dataclass(frozen=True)
 class AdapterRun:
-    """A read-only view of one adapter for samplers and batchers (spec §4.1)."""
+    """A read-only view of one adapter for samplers and batchers (docs/system.md §4.1)."""
 
     name: str
     config: AdapterRunConfig
@@ -251,10 +251,11 @@ class AdapterRegistry:
         """num_step from the data size when unset: (num_epoch or 1) * rows // rollout_batch_size, at least 1."""
         record = self._live(name)
         config = record.config
-        if config.num_step is None:
-            num_step = max(1, (config.num_epoch or 1) * rows // config.rollout_batch_size)
-            record.config = replace(config, num_step=num_step)
-        return record.config.num_step
+        if config.num_step is not None:
+            return config.num_step
+        num_step = max(1, (config.num_epoch or 1) * rows // config.rollout_batch_size)
+        record.config = replace(config, num_step=num_step)
+        return num_step
 
     def set_step(self, name: str, step: int) -> None:
         """Resume: the adapter continues from `step`, and num_step counts from there."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.config.provenance import format_value
@@ -42,11 +43,13 @@ from miles_runner.plan.model import (
     resolve_max_logprob_gap,
     resolve_verify,
 )
-from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES
+from miles_runner.plan.rules import NOT_BUILT, PRECONDITIONS, RULES, Finding, RuleFn
 
 LOOPBACK = "127.0.0.1"
 # Where the router and the session server run on a plan that spans nodes: beside the driver (trainer rank 0).
 SERVICES_NODE = 0
+# What the rules being checked are given: Derived, or None for the preconditions.
+D = TypeVar("D", bound=Derived | None)
 
 
 def compile_plan(composed: ComposedConfig) -> Plan:
@@ -71,7 +74,7 @@ def plan_or_design(composed: ComposedConfig) -> tuple[Plan, PlanError | None]:
         return compile_design(composed), exc
 
 
-def _compile(composed: ComposedConfig, rules: dict) -> Plan:
+def _compile(composed: ComposedConfig, rules: Mapping[str, RuleFn]) -> Plan:
     cfg = composed.config
     check_rules(PRECONDITIONS, composed, None)
     d = derive(cfg)
@@ -79,7 +82,9 @@ def _compile(composed: ComposedConfig, rules: dict) -> Plan:
     return build_plan(cfg, d, composed.recipe)
 
 
-def check_rules(rules: dict, composed: ComposedConfig, d: Derived | None) -> None:
+def check_rules(
+    rules: Mapping[str, Callable[[MilesConfig, D], Iterator[Finding]]], composed: ComposedConfig, d: D
+) -> None:
     problems = [
         to_problem(rule_id, finding, composed)
         for rule_id, check in rules.items()
@@ -92,7 +97,7 @@ def check_rules(rules: dict, composed: ComposedConfig, d: Derived | None) -> Non
 ITEM_KEY = re.compile(r"^adapters\.runs\[(\d+)\]\.(\w+)$")
 
 
-def to_problem(rule_id: str, finding: Any, composed: ComposedConfig) -> Problem:
+def to_problem(rule_id: str, finding: Finding, composed: ComposedConfig) -> Problem:
     settings: list[tuple[str, str]] = []
     for key in finding.keys:
         shown, origin = display_setting(key, composed)

@@ -1,4 +1,4 @@
-"""Values the plan derives and the user never sets (spec §1.2 "Adjustments"), as pure functions of the config.
+"""Values the plan derives and the user never sets (docs/system.md §1.2 "Adjustments"), as pure functions of the config.
 
 Rules see these too, so a rule reads the same number the plan will use (e.g. the trainer's world size).
 """
@@ -138,8 +138,8 @@ def engine_lora_names(cfg: MilesConfig, slots: int) -> list[str]:
     return [slot_lora_name(k) for k in range(slots)]
 
 
-def adapter_value(run: AdapterEntry, field: str, cfg: MilesConfig):
-    """A multi-LoRA run's own value, else the global default (spec §4.3 resolve_adapter_config)."""
+def adapter_value(run: AdapterEntry, field: str, cfg: MilesConfig) -> Any:
+    """A multi-LoRA run's own value, else the global default (docs/system.md §4.3 resolve_adapter_config)."""
     own = getattr(run, field)
     if own is not None and own != []:
         return own
@@ -178,7 +178,7 @@ ADAPTER_FIELDS = (
 def max_lora_rank(cfg: MilesConfig) -> int:
     if cfg.engine.max_lora_rank:
         return cfg.engine.max_lora_rank
-    ranks = [cfg.adapters.rank] + [adapter_value(r, "rank", cfg) for r in cfg.adapters.runs]
+    ranks: list[int] = [cfg.adapters.rank] + [adapter_value(r, "rank", cfg) for r in cfg.adapters.runs]
     return max(max(ranks), 1)
 
 

@@ -229,9 +229,10 @@ def resolve_verify(verify: bool | None) -> bool:
     return True if verify is None else verify
 
 
-# The mean |trainer - engine| probe logprob a healthy push stays within, by engine kind. The embedded engine runs
-# the trainer's fp32 weights and kernels (healthy probe gap ~5e-7 on the tiny recipes; a frozen adapter 0.08-0.2);
-# SGLang's bf16 kernels differ from the trainer's (miles's CI allows 0.03 between their mean logprobs).
+# The mean |trainer - engine| probe logprob a healthy push stays within, by engine kind. The embedded engine runs the
+# trainer's fp32 weights and kernels, so a healthy push matches to rounding, far below the gap of a stale or frozen
+# adapter (bench/push_verification.py); SGLang's bf16 kernels differ from the trainer's (miles's CI allows 0.03 between
+# their mean logprobs).
 DEFAULT_MAX_LOGPROB_GAP = {"embedded": 0.01, "sglang": 0.05}
 
 

@@ -38,7 +38,7 @@ def checkpoint_config(model_path: str, tiny_name: str | None) -> dict[str, Any] 
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
-    data = json.loads(config.read_text())
+    data: dict[str, Any] = json.loads(config.read_text())
     return data.get("text_config") or data  # multimodal checkpoints nest the language model's config
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -61,7 +62,7 @@ def read_plan(path: str | Path) -> Plan:
     return plan_from_dict(yaml.safe_load(Path(path).read_text()))
 
 
-def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
+def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict[str, Any]:
     p = composed.provenance
     return {
         "created": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -81,7 +82,7 @@ def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict:
     }
 
 
-def git_state(where: str | Path | None = None) -> dict:
+def git_state(where: str | Path | None = None) -> dict[str, Any]:
     """The git checkout holding `where` (default: the working directory): its top folder, commit and whether it
     has uncommitted changes; all None outside a checkout or without git. An installed miles-runner is no
     checkout, so this records the user's experiment repository, if they run from one."""

@@ -42,9 +42,10 @@ def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, node_rank
             argv.append("--disable-cuda-graph")
         if d.offload_rollout:
             argv.append("--enable-memory-saver")
-        if e.fp8_rollout:  # an FP8 base for rollout; the trainer and the adapter stay in bf16 (spec §3.3)
+        if e.fp8_rollout:  # an FP8 base for rollout; the trainer and the adapter stay in bf16 (docs/system.md §3.3)
             argv += ["--quantization", "fp8"]
-        if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:  # spec: LoRA ∧ colocate ∧ flag
+        # docs/system.md §3.2: the base's CPU backup takes LoRA in rollout, colocated engines and the flag
+        if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:
             argv.append("--enable-weights-cpu-backup")
         if node_rank:
             argv += [
@@ -82,7 +83,7 @@ def key_env_flags(api_key_env: str) -> list[str]:
 
 
 def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
-    """Spec §3.2: max_loras_per_batch is 1 for a single adapter and the slot count for multi-LoRA."""
+    """docs/system.md §3.2: max_loras_per_batch is 1 for a single adapter and the slot count for multi-LoRA."""
     flags = ["--enable-lora", "--max-lora-rank", str(d.max_lora_rank)]
     flags += ["--max-loras-per-batch", str(max(len(d.engine_lora_names), 1))]
     flags += ["--lora-target-modules", *d.target_modules]

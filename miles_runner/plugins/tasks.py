@@ -71,6 +71,10 @@ class Task(ABC):
         """A well-formed but uninformed answer (the format pre-training's policy, see rollout.pretrain)."""
         return str(rng.randint(*self.answer_range))
 
+    def rows(self) -> list[dict[str, Any]]:
+        """The records of the data file that a task which `needs_data` makes its prompts from."""
+        raise NotImplementedError(f"task {self.name} reads no data file")
+
 
 TASKS: Registry[type[Task]] = Registry("task")
 

@@ -26,9 +26,9 @@ from miles_runner.plan.secrets import fill_secrets
 from miles_runner.procs.warm import WARM_START_ENV, WarmChild, server_argv, wait_ready, warm_start
 
 LOG_TAIL_LINES = 40
-# Health polls are frequent for the first seconds, then every _POLL_S: a forked (warm) server is healthy after about
-# 0.2 s, which polls every 0.2 s noticed up to 0.2 s late (healthy at 0.23-0.67 s, mean 0.39 s over 24 starts; 0.31 s
-# with these polls), and a refused connection costs next to nothing.
+# Health polls are frequent for the first seconds, then every _POLL_S: a forked (warm) server is healthy within a
+# fraction of a second, which polls every _POLL_S would notice up to a whole interval late, and a refused connection
+# costs next to nothing.
 _FAST_POLL_S, _FAST_POLL_FOR_S = 0.05, 2.0
 _POLL_S = 0.2
 _TAIL_BYTES = 64 * 1024
@@ -129,7 +129,7 @@ class ManagedProcess:
 
     def terminate(self) -> None:
         """SIGTERM the process group of a running process without waiting (stop() then waits for it)."""
-        if self.alive:  # not reaped yet, so its pid (the group's id) cannot have been reused
+        if self._popen is not None and self.alive:  # not reaped yet, so its pid (the group's id) cannot be reused
             _signal_group(self._popen.pid, signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:

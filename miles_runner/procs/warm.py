@@ -1,6 +1,6 @@
 """Warm starts: the runner's own Python components forked from a server that has imported the heavy libraries.
 
-A cold start of an embedded engine costs about 5 s of CPU before it serves, nearly all of it imports: torch, and
+A cold start of an embedded engine costs seconds of CPU before it serves, nearly all of it imports: torch, and
 transformers' MoE modelling, which pulls in torch._dynamo and torch.distributed.tensor. A test suite or a sweep
 on one machine starts hundreds of engines, session servers and trainer ranks. With `MILES_WARM_START=<socket>`
 in a child's environment, `ManagedProcess` asks the warm server listening there to fork the child instead of
@@ -78,7 +78,7 @@ PRELOAD = (
     "openai",
     "hydra",
     "omegaconf",  # a run's driver (warm_exec): its agents' client, its config composition
-    "matplotlib.pyplot",  # ...and its end-of-run plot (tracking/plots.py): 0.36 s of CPU to import
+    "matplotlib.pyplot",  # ...and its end-of-run plot (tracking/plots.py), a costly import
 )
 # Variables read at load by native code (the interpreter, the loader, libgomp, OpenBLAS, torch's C++), which the
 # server cannot watch: a request must agree with it on these. What Python code reads at import is recorded.
@@ -374,8 +374,8 @@ class WarmServer:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         # The child's garbage collections then skip every object the server holds (the preloaded libraries): each
-        # full collection in a child wrote to all of their headers, copying the pages a fork shares. Half the CPU of
-        # a warm engine's start (0.53 -> 0.26 s to its first answer); Python's gc docs advise it before a fork.
+        # full collection in a child wrote to all of their headers, copying the pages a fork shares, a large share
+        # of a warm engine's start-up CPU; Python's gc docs advise it before a fork.
         gc.freeze()
         pid = os.fork()
         if pid == 0:
@@ -447,16 +447,17 @@ def run_child(task: ChildTask) -> None:
     sys.argv = [task.argv[2], *task.argv[3:]]
     sys.path[0] = os.getcwd()
     sys.modules["__main__"] = types.ModuleType("__main__")
-    runpy._run_module_as_main(task.argv[2], alter_argv=True)  # what `python -m` itself calls
+    runpy._run_module_as_main(task.argv[2], alter_argv=True)  # type: ignore[attr-defined]  # what `python -m` calls
 
 
-class _RecordingEnviron(os._Environ):  # type: ignore[name-defined]
+class _RecordingEnviron(os._Environ):
     """os.environ that notes each variable read by name (a lookup, `in`, get). A walk over all of it (dict(),
     .items(), a library looking for its prefix) reads each name in the order the walk began with, and is no read
     of them: a lookup out of that order ends the walk and counts."""
 
-    def __init__(self, environ: os._Environ) -> None:  # type: ignore[name-defined]
-        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue, environ.decodevalue)
+    def __init__(self, environ: os._Environ) -> None:
+        data = environ._data  # type: ignore[attr-defined]  # the store itself (a private attribute)
+        super().__init__(data, environ.encodekey, environ.decodekey, environ.encodevalue, environ.decodevalue)
         self.read: set[str] = set()
         self._walk: list[str] = []
 

@@ -4,7 +4,7 @@ warm start server that MILES_WARM_START names (procs/warm.py), with this process
 This process stands in for it: the signals it gets go to the command, and it exits as the command does (a command
 ended by signal N ends it by signal N). Killed itself (SIGKILL), its connection closes and the server kills the
 command. Where the command cannot start warm, this process becomes it (exec), as a cold start. A caller that
-starts runs over and over (the test suite: a cold driver spends about 3.3 s of CPU importing torch and the rest)
+starts runs over and over (the test suite, where a cold driver spends most of its CPU importing torch and the rest)
 puts this in front of the command and changes nothing else: pipes, Popen.send_signal and exit codes all hold.
 """
 
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if child is None:  # a cold start: this process becomes the command
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for signum in forward.held:  # what came while the server was asked ends it, as before a command's start
-            exit_like(-signum)
+        for held in forward.held:  # what came while the server was asked ends it, as before a command's start
+            exit_like(-held)
         os.execv(command[0], command)
     forward.attach(child.pid)
     return exit_like(child.wait())

@@ -1,4 +1,4 @@
-"""Rollouts for many adapters at once (spec §4.5, §4.6): the producer's `next_prompt` and `generate_group`.
+"""Rollouts for many adapters at once (docs/system.md §4.5, §4.6): the producer's `next_prompt` and `generate_group`.
 
 Each adapter samples prompts from its own task (by registered name) with its own data cursor, is scored by
 its own reward and, with a session server, played by its own agent. Without a session server each sample is

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from miles_runner.plugins.tasks import Prompt
 from miles_runner.rollout.context import RolloutContext
@@ -58,7 +58,7 @@ async def generate_sample(
 ) -> Sample:
     """One /generate of `prompt` on `engine` with `request_fields` (rid, and lora_path/extra_key when set), scored."""
     prompt_ids = ctx.tokenizer.first_turn_ids(prompt.messages, None, {})
-    result = await engine.generate({**_payload(ctx, prompt_ids), **request_fields})
+    result = cast(dict[str, Any], await engine.generate({**_payload(ctx, prompt_ids), **request_fields}))  # one prompt
     return _scored_sample(ctx, prompt, prompt_ids, result)
 
 

@@ -1,4 +1,4 @@
-"""HTTP routes of the session server (spec §2.2); the logic lives in `core.SessionCore`.
+"""HTTP routes of the session server (docs/system.md §2.2); the logic lives in `core.SessionCore`.
 
     GET    /health                                  {"status": "ok", "session_server_instance_id"?}
     POST   /sessions                                {"session_id"}; optional body {"adapter": {...}}
@@ -8,7 +8,7 @@
     POST   /sessions/{id}/samples                   {"max_seq_len", "metadata"} -> safetensors (codec.py)
     GET    /sessions/{id}/v1/models[/{model}], /sessions/{id}/model_info
                                                     proxied to the router (X-SMG-Routing-Key) or the session's
-                                                    engine: an allow-list, unlike the spec (proxy.py says why)
+                                                    engine: an allow-list, unlike upstream (proxy.py says why)
 
 Multi-LoRA: POST /sessions {"adapter": {"name": "tenant-a", "lora_name": "__miles_slot_0", "version": 3}}
 binds the session to an adapter slot; every turn then carries lora_path=the slot, rid="tenant-a::<uuid>" and

@@ -1,4 +1,4 @@
-"""The /samples wire format (spec §2.9): one safetensors blob, tensors keyed "{field}.{i}", and a uint8
+"""The /samples wire format (docs/system.md §2.9): one safetensors blob, tensors keyed "{field}.{i}", and a uint8
 tensor `_samples_meta` holding the JSON fields, the session metadata and the empty reason.
 
 Both directions are strict: a lossy cast, a routing tensor that is not int32, a dtype mismatch or a tensor
@@ -19,7 +19,7 @@ from miles_runner.session.samples import Sample, SampleStatus
 META_KEY = "_samples_meta"
 EMPTY_REASONS = (None, "no_records", "all_truncated")
 # Tensor fields and their wire dtypes; routing replay must already be int32 (it is never cast).
-TENSOR_DTYPES = {
+TENSOR_DTYPES: dict[str, np.dtype[Any]] = {
     "tokens": np.dtype(np.int64),
     "loss_mask": np.dtype(np.uint8),
     "rollout_log_probs": np.dtype(np.float64),

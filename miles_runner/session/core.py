@@ -171,7 +171,13 @@ class SessionCore:
             record = SessionRecord(time.time(), requested_at, "POST", CHAT_PATH, request, response, 200)
             async with session.lock:
                 self._check_open(session)  # closed meanwhile: the turn was aborted and is not recorded
-                committed = session.state.commit(plan, completion_ids, assistant, record, self.config.max_trim_tokens)
+                committed = session.state.commit(
+                    plan,  # type: ignore[arg-type]  # the plan this trajectory made (_plan_turn), of its kind
+                    completion_ids,
+                    assistant,
+                    record,
+                    self.config.max_trim_tokens,
+                )
         finally:
             session.in_flight.discard(request["rid"])
         if not committed:  # cannot happen while v1 turns are exclusive; never answer 200 for a lost turn

@@ -1,4 +1,4 @@
-"""Session errors and the HTTP status each one maps to (spec §2.3); the body is JSON {"error": msg}."""
+"""Session errors and the HTTP status each one maps to (docs/system.md §2.3); the body is JSON {"error": msg}."""
 
 
 class SessionError(Exception):

@@ -80,7 +80,7 @@ _WHY = {
     404: "unknown, deleted or expired session",
     409: "v1: a turn is already in flight on this session; v2: a truncated node; the turn was not recorded",
     429: "session.max_sessions sessions are open",
-    500: "the stored token prefix is not a prefix of prompt+completion (spec 2.3)",
+    500: "the stored token prefix is not a prefix of prompt+completion (docs/system.md §2.3)",
     502: "the engine could not be reached, timed out, or answered without what a record needs",
     503: "the server is shutting down",
 }
@@ -136,6 +136,6 @@ def drop_unreachable_validation_errors(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             drop_validation_422(build())  # build() caches the document in app.openapi_schema
-        return app.openapi_schema
+        return build()  # the cached document
 
     app.openapi = openapi  # type: ignore[method-assign]

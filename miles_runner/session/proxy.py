@@ -1,10 +1,10 @@
 """The engine routes an agent may reach through its session, and how they are forwarded.
 
-The spec (§2.2) proxies every other `/sessions/{id}/{path}` to the engine, with the server's own engine key.
-That hands anyone who reaches the session server the engine's control routes (pause_generation,
-load_lora_adapter, update_weights_*, abort_request, ...) and `server_info`, which shows the engine's
-`api_key` (issue 15). Deliberately unlike the spec, only this allow-list is proxied, chosen from SGLang
-0.5.23's route list (srt/entrypoints/http_server.py) for what an OpenAI-style agent needs:
+Upstream (docs/system.md §2.2) proxies every other `/sessions/{id}/{path}` to the engine, with the server's own engine
+key. That hands anyone who reaches the session server the engine's control routes (pause_generation, load_lora_adapter,
+update_weights_*, abort_request, ...) and `server_info`, which shows the engine's `api_key`. Deliberately unlike
+upstream, only this allow-list is proxied, chosen from SGLang 0.5.23's route list (srt/entrypoints/http_server.py) for
+what an OpenAI-style agent needs:
 
     GET /sessions/{id}/v1/models             model cards: the base model, then each loaded adapter
     GET /sessions/{id}/v1/models/{model}     one model card

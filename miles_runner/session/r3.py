@@ -7,9 +7,9 @@ turn and the rows, never a silently wrong tensor.
 
 Speed (bench/r3_merge_speed.py): once the first patch has set the result's width, each patch is base64-decoded
 straight into its rows of the preallocated result (sglang_client/base64_into.py: one pass, no intermediate bytes); a
-patch that does not fit exactly (another top-k, a stop-edge row) is decoded on its own and checked. A 50-turn
-session of a 48-layer top-8 model merges about 50 MB at two thirds of a plain copy's bandwidth that way. (Threads
-gained nothing here: the writes into fresh pages of the result bound it, not the decoding.)
+patch that does not fit exactly (another top-k, a stop-edge row) is decoded on its own and checked. That way a long
+session's merge runs within a small factor of a plain copy's bandwidth. (Threads gain nothing here: the writes into
+fresh pages of the result bound it, not the decoding.)
 """
 
 from __future__ import annotations
@@ -121,17 +121,19 @@ class _MergedRows:
 
     def add(self, patch: _Patch) -> None:
         """Decode `patch` into its rows of the result (allocating it at the first)."""
-        fits = self.rows is not None and patch.start < patch.end <= self.required_rows
-        if fits and b64decode_into(patch.payload, self.rows[patch.start : patch.end]):  # one pass, no bytes between
-            return  # the payload filled exactly its rows: the result's top-k
+        merged = self.rows
+        fits = patch.start < patch.end <= self.required_rows
+        if merged is not None and fits and b64decode_into(patch.payload, merged[patch.start : patch.end]):
+            return  # one pass, no bytes between: the payload filled exactly its rows, the result's top-k
         rows = _decode_patch(patch.payload, patch.turn, patch.start, patch.end, self.num_layers)
-        if len(rows) and self.rows is None:
-            self.rows = np.empty((self.required_rows, self.num_layers, rows.shape[2]), dtype=np.int32)
-        if len(rows) and rows.shape[2] == self.rows.shape[2]:
+        if not len(rows):
+            return
+        if merged is None:
+            merged = self.rows = np.empty((self.required_rows, self.num_layers, rows.shape[2]), dtype=np.int32)
+        if rows.shape[2] == merged.shape[2]:
             stop = min(patch.end, self.required_rows)
-            self.rows[patch.start : stop] = rows[: stop - patch.start]
-        if len(rows):
-            self.topks.add(rows.shape[2])
+            merged[patch.start : stop] = rows[: stop - patch.start]
+        self.topks.add(rows.shape[2])
 
     def result(self) -> np.ndarray:
         if self.rows is None:  # no patch has rows: the empty shape a zero-row patch decodes to

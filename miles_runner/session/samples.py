@@ -1,4 +1,4 @@
-"""Training samples from a session's records (spec §2.8): compute per turn -> truncate -> merge.
+"""Training samples from a session's records (docs/system.md §2.8): compute per turn -> truncate -> merge.
 
 Every failure is a ValueError whose message names the turn; the server maps it to 422.
 """
@@ -25,7 +25,7 @@ class SampleStatus(StrEnum):
     ABORTED = "aborted"
 
 
-STATUS_OF_FINISH = {
+STATUS_OF_FINISH: dict[str | None, SampleStatus] = {  # by finish_reason (None: unfinished)
     "stop": SampleStatus.COMPLETED,
     "tool_calls": SampleStatus.COMPLETED,
     "length": SampleStatus.TRUNCATED,

@@ -108,7 +108,7 @@ def read_key(env_name: str) -> str:
     return key
 
 
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5
 
 
 class SessionServer(uvicorn.Server):
@@ -129,7 +129,7 @@ class SessionServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    if config.tito_model == "default":  # spec §1.2 rule 4: a warning, not an error
+    if config.tito_model == "default":  # docs/system.md §1.2 rule 4: a warning, not an error
         logging.getLogger(__name__).warning(
             "tito_model default: the model's own chat template with a best-effort append rule; a template that "
             "renders earlier turns differently once a message is appended makes input_ids diverge from it"

@@ -106,8 +106,8 @@ class TitoTokenizer:
         self, messages: Sequence[Message], tools: list[dict] | None, add_generation_prompt: bool, kwargs: dict[str, Any]
     ) -> str:
         """apply_chat_template less its first pass, which turns message objects into dicts and drops None-valued keys:
-        ours are plain JSON already (messages.py), and that walk was 40% of a render, three of which a turn makes
-        (merge_tokens). What the template sees still goes through render_jinja_template's sanitising copy; the two
+        ours are plain JSON already (messages.py), and that walk is a large part of a render, three of which a turn
+        makes (merge_tokens). What the template sees still goes through render_jinja_template's sanitising copy; the two
         are held equal by tests/session/test_tito_render.py."""
         conversation = [{key: value for key, value in m.items() if value is not None} for m in template_view(messages)]
         if not conversation:
@@ -212,7 +212,7 @@ def prompt_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """`tokenizer.encode(text, add_special_tokens=False)`, on the Rust tokenizer alone where it has one and nothing
     is set on it that transformers' wrapper would reset first (truncation, padding, how special tokens split).
     Why: the wrapper costs more than encoding a turn's suffix; a session turn encodes twice, each time on caches
-    gone cold while the engine generated (145 us a call through the wrapper, 94 us bare, in the server)."""
+    gone cold while the engine generated."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def encode(text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""v2 samples: one per leaf of the session tree, then the default picker and postprocessor (spec §2.6)."""
+"""v2 samples: one per leaf of the session tree, then the default picker and postprocessor (docs/system.md §2.6)."""
 
 from __future__ import annotations
 

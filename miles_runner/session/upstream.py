@@ -15,7 +15,7 @@ is one, else the session's own engine.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.sglang_client.engine_pool import EnginePool
@@ -42,7 +42,7 @@ class SessionUpstream:
         """POST /generate on the session's engine: the native result (EngineError for an HTTP error answer,
         EngineUnavailable when no engine could be reached)."""
         engine = await self.engine(session_id)
-        return await engine.generate(body)
+        return cast(dict[str, Any], await engine.generate(body))  # a turn is one prompt: one result
 
     async def engine(self, session_id: str) -> EngineClient:
         return await self.engines.pin(session_id)

@@ -1,13 +1,13 @@
 """An httpx transport that sends over aiohttp: the engine client keeps httpx's API, aiohttp moves the bytes.
 
 Why: httpcore's connection pool re-checks every pooled connection (an `is_readable` poll each) on every request
-and every response close, so its cost per request grows with the pool. At concurrency 32 that scan was half of
-the session server's CPU and the cause of its latency tail (bench/session_latency.py). aiohttp's connector hands
+and every response close, so its cost per request grows with the pool. At high concurrency that scan dominated the
+session server's CPU and caused its latency tail (bench/session_latency.py). aiohttp's connector hands
 out idle connections from a queue in O(1).
 
 `fetch` sends a whole request and reads the whole answer on aiohttp alone, for the engine client's JSON calls:
-httpx's request and response objects (URL parsing, header models, cookies, auth and redirect hooks) cost 0.3 ms
-of CPU per call against a trivial server, and 0.46 ms in a session server's turn (bench/session_latency.py).
+httpx's request and response objects (URL parsing, header models, cookies, auth and redirect hooks) cost CPU
+on every call of a session server's turn and buy nothing there (bench/session_latency.py).
 
 Errors are raised as the httpx exceptions the callers already handle (timeouts as `httpx.TimeoutException`,
 every other transport failure as an `httpx.TransportError`), so `EngineClient` maps them to `EngineUnavailable`

@@ -10,6 +10,7 @@ build), `b64decode_into` says so and the caller decodes its usual way.
 from __future__ import annotations
 
 import ctypes
+from _ctypes import CFuncPtr
 from functools import cache
 
 import numpy as np
@@ -19,7 +20,7 @@ QUANTUM = 4  # base64 characters per 3 bytes
 
 
 @cache
-def _libbase64_decode() -> ctypes._CFuncPtr | None:
+def _libbase64_decode() -> CFuncPtr | None:
     try:
         decode = ctypes.CDLL(pybase64._pybase64.__file__).base64_decode
     except (AttributeError, OSError):
@@ -31,7 +32,7 @@ def _libbase64_decode() -> ctypes._CFuncPtr | None:
 
 
 @cache
-def _ascii_data() -> ctypes._CFuncPtr:
+def _ascii_data() -> CFuncPtr:
     # For an ASCII str, CPython's UTF-8 view is the string's own storage: a pointer to it, without a copy.
     as_utf8 = ctypes.pythonapi.PyUnicode_AsUTF8AndSize
     as_utf8.argtypes = [ctypes.py_object, ctypes.POINTER(ctypes.c_ssize_t)]

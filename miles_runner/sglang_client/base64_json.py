@@ -1,6 +1,6 @@
 """JSON request bodies that carry megabytes of base64 (tensors for `/load_lora_adapter_from_tensors`).
 
-`json.dumps` scans every character of a string for escapes; on a 15 MB adapter that was the largest cost of a
+`json.dumps` scans every character of a string for escapes; on an adapter's megabytes that is the largest cost of a
 tensor sync on the trainer's side (bench/adapter_sync_bandwidth.py). Base64 text needs no JSON escaping, so
 its strings are spliced into the body as they are. The result parses to exactly the body given; a string that
 is not plain base64 falls back to `json.dumps` for the whole body, so nothing else is ever sent.

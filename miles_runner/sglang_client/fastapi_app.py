@@ -1,7 +1,7 @@
 """One FastAPI constructor for the project's servers (engine, session server, multi-LoRA controller).
 
 FastAPI 0.165 added native OpenTelemetry: every request asks the global tracer, meter and logger providers
-whether telemetry is configured before it runs (about 2% of the session server's per-request CPU). These servers
+whether telemetry is configured before it runs (CPU on every request, for nothing here). These servers
 never export telemetry, so it is switched off where the installed FastAPI has the option (older versions,
 which pyproject allows, have neither the option nor the per-request check).
 """

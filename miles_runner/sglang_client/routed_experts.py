@@ -4,10 +4,10 @@ SGLang returns ``meta_info.routed_experts`` as standard base64 (with padding) of
 C-contiguous int32 array shaped ``(rows, num_layers, top_k)``, little-endian, where
 ``rows = prompt_tokens + completion_tokens - 1 - routed_experts_start_len``: the last sampled token is never
 forwarded, so it has no row. Dense layers read as 0. The payload is flat, so a reader must know
-``num_layers`` and infers ``top_k`` from the size (miles-spec §5).
+``num_layers`` and infers ``top_k`` from the size (docs/system.md §5).
 
-Payloads go through pybase64 (SIMD): a 50-turn session of a 48-layer top-8 model carries about 50 MB of
-routing, which the stdlib codec decoded at about 0.1 GB/s (bench/r3_merge_speed.py).
+Payloads go through pybase64 (SIMD): a long session of a large MoE carries tens of megabytes of routing,
+which the stdlib codec decodes many times slower (bench/r3_merge_speed.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def encode_routed_experts(arr: np.ndarray) -> str:
         raise ValueError(f"routed experts must be 3-D (rows, layers, topk), got shape {arr.shape}")
     if arr.dtype != np.int32:
         raise ValueError(f"routed experts must be int32, got {arr.dtype}")
-    return pybase64.b64encode_as_string(np.ascontiguousarray(arr, dtype=ROUTED_EXPERTS_DTYPE))
+    return pybase64.b64encode_as_string(np.ascontiguousarray(arr, dtype=ROUTED_EXPERTS_DTYPE).data)
 
 
 def decode_routed_experts(b64: str, num_tokens: int, num_layers: int) -> np.ndarray:

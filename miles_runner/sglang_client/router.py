@@ -8,8 +8,8 @@ consistent-hashing policy on its command line.
 The router does not fan out abort, pause, weight or LoRA calls: send those to each engine from
 `list_workers`.
 
-It rebuilds the body of every generation request from its own request types (measured with the 0.3.2
-binary; `route_typed_request` in sgl-router), so fields those types lack never reach the engine:
+It rebuilds the body of every generation request from its own request types (sglang-router 0.3.2,
+`route_typed_request` in sgl-router; docs/sglang-protocol.md §9.4), so fields those types lack never reach the engine:
 /generate drops `return_routed_experts`, `routed_experts_start_len` and `return_prompt_token_ids`;
 /v1/chat/completions also drops `input_ids`, `return_meta_info`, `rid` and `extra_key` and sends
 `skip_special_tokens: true`. Replies pass through unchanged. This is why the session server sends its turns

@@ -18,9 +18,8 @@ little-endian bytes; b"miles-sh" read so is about 7.6e18, which no blob has, so 
 
 Speed (bench/adapter_sync_bandwidth.py): the engine keeps the segment mapped and its header parsed (SegmentReader),
 so a sync costs one copy of the bytes, the engine's, out of the trainer's parameters into the adapter's weights
-(two for copies: into the rewritten segment first), and no base64 or JSON of them. At r64 (11.7 MB) the adapter's
-load takes about 100 ms inline and 3 to 4 ms this way; per extra byte it runs at 33-51% of a plain copy's speed
-(two copies: 17-24%).
+(two for copies: into the rewritten segment first), and no base64 or JSON of them, which are most of an inline
+load's cost. The bench reports both paths, and each against a plain copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -269,7 +268,7 @@ def _checked_tensors(name: str, data: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _read_into(fd: int, data: np.ndarray) -> None:
-    view, done = memoryview(data), 0
+    view, done = data.data, 0
     while done < len(view):
         count = os.readv(fd, [view[done:]])
         if count == 0:

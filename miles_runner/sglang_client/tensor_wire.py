@@ -23,8 +23,8 @@ embedded entries are immutable text, so one serialized string serves every rank.
 trainer's host takes a third kind of entry, a handle to a shared-memory segment (tensor_shm.py, the CPU analogue
 of the CUDA IPC handles).
 
-Speed (bench/adapter_sync_bandwidth.py): base64 goes through pybase64 (SIMD; the stdlib codec ran at about
-0.1 GB/s), and tensors are not cloned first: safetensors' `save` already copies them into a blob of its own.
+Speed (bench/adapter_sync_bandwidth.py): base64 goes through pybase64 (SIMD; the stdlib codec is many times
+slower), and tensors are not cloned first: safetensors' `save` already copies them into a blob of its own.
 """
 
 from __future__ import annotations

@@ -106,8 +106,8 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup)
     The same collectives, one per tensor in order, whichever way they are issued. NCCL queues them all at once
     (as SGLang's receiver does). Gloo runs them one at a time: with several in flight, its TCP loop thread
     spins on `epoll_wait` while a worker thread holds the connection's lock (`Pair::handleEvents` only
-    try-locks), and on a 2-core machine the spinner starves the holder. An engine's median receive of an r64
-    adapter (28 tensors, 12 MB; bench/adapter_sync_bandwidth.py) went from about 12 ms to about 5 ms.
+    try-locks), and on a 2-core machine the spinner starves the holder. One at a time, an engine receives an
+    adapter faster (bench/adapter_sync_bandwidth.py measures the broadcast).
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
         for tensor in tensors:

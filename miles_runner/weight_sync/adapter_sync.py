@@ -1,13 +1,14 @@
-"""The adapter sync protocol every strategy shares, once before the loop and after every train step (spec §3.2 and §7).
+"""The adapter sync protocol every strategy shares, once before the loop and after every train step
+(docs/system.md §3.2 and §7).
 
     pause_generation(mode) -> flush_cache (colocated: always; disaggregated: unless in_place) -> push
     -> update_weight_version -> every engine reports that version (verify.py) -> continue_generation (always,
     even when the push failed)
 
 One interface, two strategies: colocated engines receive the adapter tensors in the request
-(`/load_lora_adapter_from_tensors`, unload first, spec §3.2 colocated path); disaggregated engines receive
-them by a torch.distributed broadcast (see broadcast.py). Both bump the engines' weight_version, which every
-generated sample carries back.
+(`/load_lora_adapter_from_tensors`, unload first, docs/system.md §3.2 colocated path); disaggregated engines receive
+them by a torch.distributed broadcast (see broadcast.py). Both bump the engines' weight_version, which every generated
+sample carries back.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class AdapterSync:
         self.pause_mode = plan.weight_sync.pause_generation_mode
         self.flush = plan.weight_sync.flush_cache
         self.flush_timeout_s = flush_timeout_s
-        self.loaded: set[str] = set()  # spec: the first load of a name does not unload
+        self.loaded: set[str] = set()  # docs/system.md §3.2: the first load of a name does not unload
         self.loaded_shared = False  # whether the last load handed the engines the trainer's own tensors
 
     async def push(

@@ -1,11 +1,11 @@
 """Disaggregated adapter sync: a torch.distributed broadcast from the trainer into engines that keep running
-(spec §3.2 "Disaggregated path", §4.7 for multi-LoRA).
+(docs/system.md §3.2 "Disaggregated path", §4.7 for multi-LoRA).
 
 The trainer is rank 0 of a dedicated weight-update group and engine i is rank i + 1: gloo on a CPU cluster,
 NCCL on GPUs. Each push sends the adapter's metadata (names, dtype names, shapes) to every engine over HTTP
 (`/load_lora_adapter_from_distributed`) while the trainer broadcasts each contiguous tensor, in `names`
-order. A single adapter is unloaded first once it has been loaded (spec); with `upsert` (multi-LoRA slots)
-the engines overwrite it in place and nothing is unloaded, so requests paused in place keep their adapter.
+order. A single adapter is unloaded first once it has been loaded (docs/system.md §3.2); with `upsert` (multi-LoRA
+slots) the engines overwrite it in place and nothing is unloaded, so requests paused in place keep their adapter.
 
 Constraints: the group is not the trainer's default process group (FSDP keeps its own), and only one
 process, the trainer's rank 0, may run this sync. The tensors must be on the device the backend broadcasts

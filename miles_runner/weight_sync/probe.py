@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.weight_sync.verify import SyncVerificationError
@@ -46,7 +47,7 @@ def probe_body(token_ids: Sequence[int], lora_name: str) -> dict:
 
 async def engine_log_probs(client: EngineClient, token_ids: Sequence[int], lora_name: str) -> list[float]:
     """The engine's logprob of each probe token after the first (the first has none: nothing precedes it)."""
-    out = await client.generate(probe_body(token_ids, lora_name))
+    out = cast(dict[str, Any], await client.generate(probe_body(token_ids, lora_name)))  # one prompt: one result
     triples = out["meta_info"]["input_token_logprobs"]
     return [float(t[0]) for t in triples[1:]]
 

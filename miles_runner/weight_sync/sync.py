@@ -1,4 +1,4 @@
-"""Adapter sync into the engines: `make_sync` picks the plan's strategy (spec §3.2 and §7).
+"""Adapter sync into the engines: `make_sync` picks the plan's strategy (docs/system.md §3.2 and §7).
 
     pause_generation(mode) -> flush_cache (colocated: always; disaggregated: unless in_place) -> push
     -> update_weight_version -> continue_generation (always, even when the push failed)

@@ -1,4 +1,4 @@
-"""Colocated adapter sync: the adapter tensors are handed over in the request (spec §3.2 colocated path).
+"""Colocated adapter sync: the adapter tensors are handed over in the request (docs/system.md §3.2 colocated path).
 
 SGLang engines get MultiprocessingSerializer bytes (CUDA IPC handles on GPUs). Embedded engines on the trainer's
 host get a handle to a shared-memory segment (sglang_client/tensor_shm.py), the CPU analogue: the segment the trainer's

@@ -1,5 +1,5 @@
-"""bench/multi_lora_throughput.py's engine case against a real engine: the producer's groups are counted (the case
-once measured 0 tokens/s for weeks, its rollout handed an engine client where a worker pool belongs)."""
+"""bench/multi_lora_throughput.py's engine case against a real engine: the producer's groups are counted (a case whose
+rollout is handed an engine client where a worker pool belongs measures 0 tokens/s without failing)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A config file cannot make Hydra create a class: callbacks, a launcher or sweeper that is not an installed
-plugin, and logging handlers are refused before any sweep starts, `--plan` included (issue 15, defect 9)."""
+plugin, and logging handlers are refused before any sweep starts, `--plan` included."""
 
 import pytest
 

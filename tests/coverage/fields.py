@@ -1,4 +1,4 @@
-"""For every schema field, the evidence that a plan which sets it runs as it reads (issue 11).
+"""For every schema field, the evidence that a plan which sets it runs as it reads.
 
 Each field is acted on by the runtime for the plan's backends (Runs: behaviour tests that would fail if the
 field were ignored), or refused by a plan rule when set to a value the runtime cannot honour (Refused), or

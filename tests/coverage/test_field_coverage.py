@@ -1,4 +1,4 @@
-"""Every schema field is executed or refused (issue 11): a field with neither a behaviour test nor a refusing
+"""Every schema field is executed or refused: a field with neither a behaviour test nor a refusing
 rule fails here, so a new field cannot slip in unhonoured."""
 
 from __future__ import annotations

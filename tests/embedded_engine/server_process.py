@@ -1,6 +1,6 @@
 """Start and stop a real embedded engine process on a free loopback port (the production command line), through
 the testkit's launcher: supervised, health-checked, and forked by the worker's warm start server where there is one
-(a cold start costs about 3.5 CPU-s more, nearly all imports)."""
+(a cold start costs seconds of CPU more, nearly all imports)."""
 
 from __future__ import annotations
 

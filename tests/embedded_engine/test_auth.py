@@ -1,5 +1,5 @@
-"""The engine's auth follows SGLang's levels (issue 15, defect 3): probes open, admin routes behind the admin key
-when one is set, every other route behind the API key; refusals are SGLang's 401 body."""
+"""The engine's auth follows SGLang's levels (docs/sglang-protocol.md §0): probes open, admin routes behind the admin
+key when one is set, every other route behind the API key; refusals are SGLang's 401 body."""
 
 from __future__ import annotations
 

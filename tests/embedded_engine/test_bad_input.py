@@ -129,9 +129,9 @@ async def test_unknown_model_card_is_404_model_not_found(client):
     assert response.status_code == 404 and response.json()["code"] == "model_not_found"
 
 
-# ----- issue 15: inputs that used to be 500s (and closed the keep-alive connection) -------------------------------
+# ----- inputs a lax parser answers with a 500 (closing the keep-alive connection) -------------------------------------
 TWO = [IDS, IDS]
-ISSUE15_CASES = {
+FORMER_500_CASES = {
     "sampling_params_list_for_one_prompt": (
         {"input_ids": IDS, "sampling_params": [{"max_new_tokens": 2}]},
         "sampling_params",
@@ -160,9 +160,9 @@ def _kept_alive(response) -> bool:
 
 
 @pytest.mark.reliability
-@pytest.mark.parametrize("case", ISSUE15_CASES, ids=list(ISSUE15_CASES))
+@pytest.mark.parametrize("case", FORMER_500_CASES, ids=list(FORMER_500_CASES))
 async def test_inputs_that_were_500s_are_400s_naming_the_field(client, case):
-    body, expected = ISSUE15_CASES[case]
+    body, expected = FORMER_500_CASES[case]
     response = await client.post("/generate", json=body)
     assert response.status_code == 400, response.text
     assert expected in response.json()["error"]["message"] and _kept_alive(response)

@@ -1,6 +1,6 @@
-"""Temperature 0 is greedy, as in SGLang, on both sides of a run (issue 15): the engine samples the argmax and
-reports temperature-1.0 logprobs, and the trainer scores the same tokens at the same temperature. A run with
-rollout.temperature=0 used to divide the trainer's logits by 0: NaN losses, a NaN adapter, then a 500 from the
+"""Temperature 0 is greedy, as in SGLang, on both sides of a run: the engine samples the argmax and
+reports temperature-1.0 logprobs, and the trainer scores the same tokens at the same temperature. Otherwise a
+run with rollout.temperature=0 would divide the trainer's logits by 0: NaN losses, a NaN adapter, then a 500 from the
 engine sampling with it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request limits (issue 15, defect 5): the plan's engine.max_n and engine.max_batch_size reach the embedded
+"""Request limits: the plan's engine.max_n and engine.max_batch_size reach the embedded
 engine's command line, and a request beyond either is refused before any of its outputs is built."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One bad request never fails the requests running beside it (issue 15, defect 2).
+"""One bad request never fails the requests running beside it.
 
 Two layers: bad sampling values are refused at admission (a 400 naming the field, the request never reaches the
 batch), and a request that fails inside a batched step anyway (here: an adapter whose weights are NaN, so its

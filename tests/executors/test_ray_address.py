@@ -74,7 +74,7 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
             time.sleep(0.2)
         yield f"127.0.0.1:{port}", head
     finally:
-        # `ray start --block` takes over 10 s to end after SIGTERM (its GCS shuts down gracefully): the test is over,
+        # `ray start --block` is slow to end after SIGTERM (its GCS shuts down gracefully): the test is over,
         # so what is left after 2 s is killed.
         head.stop(timeout_s=2)
         # The head's logs (raylet, workers) stay with the test's folder: why an actor died is only written there.

@@ -1,4 +1,4 @@
-"""The run's key (security.api_key_env, issue 15): every server of a keyed run requires it, every client of the
+"""The run's key (security.api_key_env): every server of a keyed run requires it, every client of the
 run sends it, and it is never written into plan.yaml, the printed plan or a log line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-LoRA rollouts through the session server (spec §2, §4.5, §4.6): with a session server, each sample of
+"""Multi-LoRA rollouts through the session server (docs/system.md §2, §4.5, §4.6): with a session server, each sample of
 a group is an agentic episode played with the official OpenAI client in a session bound to the adapter's slot,
 on the embedded CPU engine (two slots loaded); the session server runs in this event loop over real HTTP."""
 

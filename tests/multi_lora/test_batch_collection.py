@@ -1,4 +1,4 @@
-"""Group buffers, round-robin selection and train-batch collection (spec §4.6)."""
+"""Group buffers, round-robin selection and train-batch collection (docs/system.md §4.6)."""
 
 from __future__ import annotations
 

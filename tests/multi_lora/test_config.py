@@ -1,4 +1,4 @@
-"""Checks at registration (issue 6 item 1, spec §4.3 resolve_adapter_config)."""
+"""Checks at registration (docs/system.md §4.3 resolve_adapter_config)."""
 
 from __future__ import annotations
 

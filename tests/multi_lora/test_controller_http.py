@@ -1,4 +1,4 @@
-"""The controller's HTTP API and its abort fan-out (spec §4.3, §4.4), over real loopback HTTP.
+"""The controller's HTTP API and its abort fan-out (docs/system.md §4.3, §4.4), over real loopback HTTP.
 
 The engines here are `abort_recorder`s: stand-ins that only record the abort bodies they receive."""
 
@@ -300,7 +300,7 @@ async def test_a_data_file_outside_the_run_is_400_and_says_nothing_of_its_existe
 
 @pytest.mark.reliability
 async def test_every_route_documents_its_status_codes_and_response_bodies(api):
-    """The OpenAPI schema tells the truth (issue 15 defect 10): errors and 200 bodies have schemas."""
+    """The OpenAPI schema tells the truth: errors and 200 bodies have schemas."""
     paths = (await api.http.get("/openapi.json")).json()["paths"]
     for path, operations in paths.items():
         for method, operation in operations.items():

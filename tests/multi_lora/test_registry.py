@@ -1,4 +1,4 @@
-"""The registry's state machine (spec §4.2)."""
+"""The registry's state machine (docs/system.md §4.2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Each adapter samples its own prompts: from its own data file when its task reads one (spec §4.6: a data
-source per adapter, and `resolve_num_step` from the data set's length)."""
+"""Each adapter samples its own prompts: from its own data file when its task reads one
+(docs/system.md §4.6: a data source per adapter, and `resolve_num_step` from the data set's length)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Compiling override lists through the public path (Hydra compose -> compile_plan), cached per test session
 (tests/compiled.py).
 
-`outcome` and `problems` are what `miles-run` gets (compile_plan: every rule). `plan` is the design
-(compile_design: the NOT_BUILT refusals left out), so the spec's rules can be checked on GPU recipes whose
-trainer this release has not built yet.
+`outcome` and `problems` are what `miles-run` gets (compile_plan: every rule). `plan` is the design (compile_design: the
+NOT_BUILT refusals left out), so the rules of docs/system.md §1.2 can be checked on GPU recipes whose trainer this
+release has not built yet.
 """
 
 from collections.abc import Callable, Sequence

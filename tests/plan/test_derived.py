@@ -1,4 +1,4 @@
-"""Values the plan derives and the user never sets (spec §1.2 "Adjustments"), read off compiled Plans.
+"""Values the plan derives and the user never sets (docs/system.md §1.2 "Adjustments"), read off compiled Plans.
 
 Where a combination is rejected by a rule but the derivation itself is still defined (multi-LoRA colocated on
 GPUs), `derive` is called on the composed config directly.
@@ -260,7 +260,7 @@ def test_multi_lora_adapter_inherits_expanded_targets(plan):
     assert all(a.target_modules == list(STANDARD_LINEAR) for a in p.adapters)
 
 
-# ---- multi-LoRA batch split (spec §4.6) ----
+# ---- multi-LoRA batch split (docs/system.md §4.6) ----
 
 
 @pytest.mark.parametrize(

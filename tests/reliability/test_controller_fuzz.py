@@ -1,4 +1,4 @@
-"""Schemathesis against the multi-LoRA controller (issue 15): the real service module, keyed, on loopback, its
+"""Schemathesis against the multi-LoRA controller: the real service module, keyed, on loopback, its
 engine a stand-in that takes aborts. Every route's answers must match the controller's own OpenAPI schema: 0 server
 errors, 0 schema violations, and requests that get past the key check (200s), not only 401s."""
 

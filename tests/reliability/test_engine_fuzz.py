@@ -1,4 +1,4 @@
-"""Schemathesis against a real embedded engine, from its own OpenAPI schema (issue 15, defects 4 and 10): every
+"""Schemathesis against a real embedded engine, from its own OpenAPI schema: every
 operation, positive and negative data, bounded examples: no 5xx, and every answer's status code, content type and
 body as the schema documents them.
 

@@ -1,4 +1,4 @@
-"""Schemathesis against a real session server (with the run's key) over a real embedded engine (issue 15):
+"""Schemathesis against a real session server (with the run's key) over a real embedded engine:
 0 server errors and 0 schema violations, every operation of its OpenAPI schema fuzzed with bounded examples.
 
 Two passes: the whole surface as an outsider sees it (random session ids), then every per-session operation

@@ -1,4 +1,4 @@
-"""The HTTP surface of the session server (spec §2.2, §2.3), against the embedded engine on loopback."""
+"""The HTTP surface of the session server (docs/system.md §2.2, §2.3), against the embedded engine on loopback."""
 
 import httpx
 import pytest

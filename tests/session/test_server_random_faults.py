@@ -1,4 +1,4 @@
-"""The session server under 64 sessions x 10 turns against an engine that fails at random (issue 15): every turn
+"""The session server under 64 sessions x 10 turns against an engine that fails at random: every turn
 that answered 200 is in its session's records, in order; every other answer is a clean 4xx/5xx with a body
 that says why; nothing hangs. The failing engine is the real embedded engine behind `RandomFaultUpstream`, an
 injected fault (seeded): engine 500/503, a 200 that is not JSON or lacks meta_info, a reply lost after the

@@ -1,4 +1,4 @@
-"""What the session server exposes (issue 15): only the routes an agent needs, never a key, the run's key on
+"""What the session server exposes: only the routes an agent needs, never a key, the run's key on
 every route but /health, and a 400 (not a 500) for a non-finite number or a control character."""
 
 import httpx

@@ -1,4 +1,4 @@
-"""SIGTERM ends the standalone session server within a bounded time (issue 15): in-flight turns are aborted
+"""SIGTERM ends the standalone session server within a bounded time: in-flight turns are aborted
 on their engine, and a turn stuck on a hung engine cannot hold the server for the 600 s upstream timeout."""
 
 import signal

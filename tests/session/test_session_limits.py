@@ -1,4 +1,4 @@
-"""Session lifecycle limits (issue 15): one v1 turn at a time (409, never a lost 200), DELETE aborts the
+"""Session lifecycle limits: one v1 turn at a time (409, never a lost 200), DELETE aborts the
 in-flight turn on the engine, a cap on open sessions (429) and an age limit (404, resources freed)."""
 
 import asyncio

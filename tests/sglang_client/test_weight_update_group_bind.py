@@ -1,5 +1,5 @@
 """The weight-update group's store server (the trainer, rank 0) listens on the master address only: loopback
-for a one-node run, never every interface as torch's own rendezvous would (issue 15, defect 6)."""
+for a one-node run, never every interface as torch's own rendezvous would."""
 
 from __future__ import annotations
 

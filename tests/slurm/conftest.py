@@ -15,7 +15,7 @@ SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
 EXIT_CANNOT_INSTALL = 3  # slurm_local.sh: not installed, and installing needs root
 
 
-# Module scope: one file uses it, and its stop (about 2 s of waiting on the daemons) then overlaps the other workers'
+# Module scope: one file uses it, and its stop (seconds of waiting on the daemons) then overlaps the other workers'
 # tests instead of adding to the last worker's teardown at the end of `make test`.
 @pytest.fixture(scope="module")
 def slurm_cluster():

@@ -7,7 +7,7 @@ every finding at once. Rule ids are stable: tests and users refer to them.
 Modules, one per section, in the order their rules run:
     base             Finding, the `rule` decorator, the RULES and PRECONDITIONS registries, shared key names
     sizes            counts are at least 1 (or 0): a precondition
-    session          the session server and its pause mode (spec §1.2 rules 1-6)
+    session          the session server and its pause mode (docs/system.md §1.2 rules 1-6)
     fully_async      fully-async rollout and the async schedule (rules 7-8)
     offload          training offload and optimizer storage (rules 9-15)
     weight_transfer  weight-transfer modes (rules 16-17)

@@ -1,8 +1,8 @@
 """Settings only one backend honours, and what this release does not run yet.
 
 A plan that compiles runs exactly as it reads, so a setting the plan's backends would silently ignore is a plan
-error here, with the backend that honours it. The `*-not-built` rules refuse what is specified (spec rules above
-accept it) but not built in this release: compiling such a plan would otherwise print one trainer and run
+error here, with the backend that honours it. The `*-not-built` rules refuse what is specified (docs/system.md §1.2
+accepts it) but not built in this release: compiling such a plan would otherwise print one trainer and run
 another. `compile_design` in plan/compile.py skips exactly these (NOT_BUILT) to review a future plan.
 """
 
@@ -14,7 +14,7 @@ from miles_runner.config.schema import EngineConfig, MilesConfig, SessionConfig
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
-# Rule ids of the refusals of what this release has not built (each names the issue that builds it).
+# Rule ids of the refusals of what this release has not built (docs/refusals.md lists them).
 NOT_BUILT = (
     "full-weight-training-not-built",
     "fully-async-not-built",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived
@@ -19,14 +20,21 @@ class Finding:
 
 
 RuleFn = Callable[[MilesConfig, Derived], Iterator[Finding]]
+# A precondition runs before anything is derived: it is given None.
+PreconditionFn = Callable[[MilesConfig, Derived | None], Iterator[Finding]]
 RULES: dict[str, RuleFn] = {}
 # Rules whose failure makes the others meaningless (they divide by these sizes): checked first, alone.
-PRECONDITIONS: dict[str, RuleFn] = {}
+PRECONDITIONS: dict[str, PreconditionFn] = {}
 
 
-def rule(rule_id: str, *, precondition: bool = False) -> Callable[[RuleFn], RuleFn]:
-    def register(fn: RuleFn) -> RuleFn:
-        (PRECONDITIONS if precondition else RULES)[rule_id] = fn
+@overload
+def rule(rule_id: str, *, precondition: Literal[False] = False) -> Callable[[RuleFn], RuleFn]: ...
+@overload
+def rule(rule_id: str, *, precondition: Literal[True]) -> Callable[[PreconditionFn], PreconditionFn]: ...
+def rule(rule_id: str, *, precondition: bool = False) -> Callable[[Any], Any]:
+    def register(fn: Any) -> Any:
+        registry: dict[str, Any] = PRECONDITIONS if precondition else RULES
+        registry[rule_id] = fn
         return fn
 
     return register

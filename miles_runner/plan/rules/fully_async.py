@@ -1,5 +1,5 @@
 """Fully-async rollout and the async schedule: disaggregated roles, resumable pauses, off-policy correction
-(spec §1.2 rules 7-8).
+(docs/system.md §1.2 rules 7-8).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """LoRA modes against the trainer backend, topology and model, and the adapter's rank and target modules
-(spec §1.2 rules 18-25).
+(docs/system.md §1.2 rules 18-25).
 """
 
 from __future__ import annotations

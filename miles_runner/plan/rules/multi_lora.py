@@ -1,5 +1,5 @@
 """Multi-LoRA: the training setup per-adapter slots need, and each adapter's name, rank, targets and batch
-shape (spec §1.2 rules 26-29).
+shape (docs/system.md §1.2 rules 26-29).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training offload and optimizer storage, and what each leaves out for LoRA (spec §1.2 rules 9-15)."""
+"""Training offload and optimizer storage, and what each leaves out for LoRA (docs/system.md §1.2 rules 9-15)."""
 
 from __future__ import annotations
 

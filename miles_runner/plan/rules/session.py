@@ -1,4 +1,4 @@
-"""The session server and the pause mode it needs (spec §1.2 rules 1-6)."""
+"""The session server and the pause mode it needs (docs/system.md §1.2 rules 1-6)."""
 
 from __future__ import annotations
 

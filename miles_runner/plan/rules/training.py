@@ -1,7 +1,7 @@
 """What the trainer, the optimizer, the rollout switches and the metrics file can honour here: each setting below
 either runs as printed or is refused with the reason and the setting that would honour it.
 
-The `*-not-built` refusals (NOT_BUILT) are miles features the spec accepts that this release has not built;
+The `*-not-built` refusals (NOT_BUILT) are miles features docs/system.md describes that this release has not built;
 compile_design leaves them out (see backends.py).
 """
 

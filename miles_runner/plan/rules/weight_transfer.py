@@ -1,4 +1,4 @@
-"""Which weight-transfer modes suit LoRA and colocated engines (spec §1.2 rules 16-17)."""
+"""Which weight-transfer modes suit LoRA and colocated engines (docs/system.md §1.2 rules 16-17)."""
 
 from __future__ import annotations
 
