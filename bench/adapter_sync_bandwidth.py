@@ -42,7 +42,6 @@ import itertools
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -55,12 +54,12 @@ import torch
 from bench.report import write_result
 from miles_runner.core.paths import model_cache_dir
 from miles_runner.plan.model import Plan
-from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_runner.procs.ports import free_port
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.weight_sync.adapter_sync import AdapterSync, tensor_bytes
 from miles_runner.weight_sync.broadcast import BroadcastSync
 from miles_runner.weight_sync.tensor_sync import TensorSync
-from miles_testkit.launch import engine_url, start_engine
+from miles_testkit.launch import embedded_engine_argv, engine_url, start_engine
 
 RANKS = (8, 16, 64)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -217,16 +216,9 @@ def marginal_bandwidth(byte_counts: list[int], seconds: list[float]) -> float | 
 async def run(model_dir: Path, repeats: int) -> dict[str, Any]:
     adapters = {rank: make_adapter(model_dir, rank) for rank in RANKS}
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
+    argv = embedded_engine_argv(
+        model_dir,
+        port,
         "--enable-lora",
         "--max-lora-rank",
         str(max(RANKS)),
@@ -234,7 +226,7 @@ async def run(model_dir: Path, repeats: int) -> dict[str, Any]:
         *TARGETS,
         "--dist-timeout",
         "120",
-    ]
+    )
     logs = Path(tempfile.mkdtemp(prefix="adapter-sync-bench-"))
     engine = start_engine(argv, port=port, log_path=logs / "engine.log", timeout_s=300)
     try:

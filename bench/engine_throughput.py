@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import httpx
 from bench.report import write_result
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.procs.ports import free_port
+from miles_testkit.launch import embedded_engine_argv
 
 CONCURRENCY = (1, 4, 16)
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -82,16 +82,7 @@ async def _in_process_rate(model_dir: Path, concurrency: int, per_client: int, m
 def start_server(model_dir: Path, log, *flags: str) -> tuple[subprocess.Popen, str]:
     """An embedded engine on a free loopback port (the model's defaults, plus `flags`), once healthy."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--port",
-        str(port),
-        *flags,
-    ]
+    cmd = embedded_engine_argv(model_dir, port, *flags)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

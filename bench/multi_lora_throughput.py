@@ -74,11 +74,10 @@ def run_case(adapters: int, adapter_steps: int) -> dict[str, Any]:
 
 def engine_rate(adapters: int, seconds: float, warmup_s: float = 3.0) -> dict[str, float]:
     """Tokens/s and groups/s the producer gets from one engine serving `adapters` slots at once."""
-    import sys
 
     from miles_runner.plan.record import read_plan
     from miles_testkit.contract import build_contract_adapter
-    from miles_testkit.launch import start_engine
+    from miles_testkit.launch import embedded_engine_argv, start_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = plan_run(Path(tmp) / "outputs", adapters, 1)
@@ -86,20 +85,9 @@ def engine_rate(adapters: int, seconds: float, warmup_s: float = 3.0) -> dict[st
         adapter = build_contract_adapter(Path(plan.model_path), Path(tmp) / "lora")
         port = free_port()
         slots = [f"__miles_slot_{k}={adapter}" for k in range(adapters)]
-        argv = [
-            sys.executable,
-            "-m",
-            "miles_runner.embedded_engine",
-            "--model-path",
-            plan.model_path,
-            "--port",
-            str(port),
-            "--enable-lora",
-            "--max-loras-per-batch",
-            "4",
-            "--lora-paths",
-            *slots,
-        ]
+        argv = embedded_engine_argv(
+            plan.model_path, port, "--enable-lora", "--max-loras-per-batch", "4", "--lora-paths", *slots
+        )
         engine = start_engine(argv, port=port, log_path=Path(tmp) / "engine.log", timeout_s=180)
         try:
             return asyncio.run(_produce(plan, run_dir, f"http://127.0.0.1:{port}", seconds, warmup_s))

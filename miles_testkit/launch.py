@@ -7,6 +7,7 @@ Real SGLang (`python -m sglang.launch_server ...`, GPU) and the embedded engine
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,22 @@ def argv_flag(argv: Sequence[str], flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             value = arg.split("=", 1)[1]
     return value
+
+
+def embedded_engine_argv(model_path: str | Path, port: int, *flags: str) -> list[str]:
+    """The embedded engine's command line on loopback at `port`, with `flags` (SGLang's, which it takes) after."""
+    return [
+        sys.executable,
+        "-m",
+        "miles_runner.embedded_engine",
+        "--model-path",
+        str(model_path),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        *flags,
+    ]
 
 
 def engine_url(argv: Sequence[str], port: int) -> str:

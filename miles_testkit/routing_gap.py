@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +32,7 @@ from miles_runner.trainer.fsdp import FSDPTrainer
 from miles_runner.trainer.logprobs import pack_samples, token_log_probs
 from miles_runner.trainer.policy_trainer import TrainerSettings
 from miles_runner.trainer.routing_replay import ReplayStats
-from miles_testkit.launch import start_engine
+from miles_testkit.launch import embedded_engine_argv, start_engine
 
 RECIPE = "tiny_r3_session"
 TrainerFactory = Callable[[str, TrainerSettings], Any]  # (model path, settings) -> a trainer: FSDPTrainer's shape
@@ -48,21 +47,9 @@ def r3_engine(plan: Plan, log_dir: Path, extra_args: Sequence[str] = ()) -> Iter
     """The embedded engine on the plan's model with routed experts on (base model, no adapter unless `extra_args`
     enable LoRA); yields its URL."""
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        plan.model_path,
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--random-seed",
-        str(plan.seed),
-        "--enable-return-routed-experts",
-        *extra_args,
-    ]
+    argv = embedded_engine_argv(
+        plan.model_path, port, "--random-seed", str(plan.seed), "--enable-return-routed-experts", *extra_args
+    )
     engine = start_engine(argv, port=port, log_path=Path(log_dir) / "engine.log", timeout_s=180)
     try:
         yield f"http://{LOOPBACK}:{port}"

@@ -4,12 +4,12 @@ the testkit's launcher: supervised, health-checked, and forked by the worker's w
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from miles_runner.procs.ports import LOOPBACK, free_port
 from miles_runner.procs.process import ManagedProcess
+from miles_testkit.launch import embedded_engine_argv
 from miles_testkit.launch import start_engine as launch_engine
 
 STARTUP_TIMEOUT_S = 90
@@ -34,18 +34,7 @@ class EngineProcess:
 
 def start_engine(model_dir: Path, log_path: Path, *extra_args: str) -> EngineProcess:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        *extra_args,
-    ]
+    argv = embedded_engine_argv(model_dir, port, *extra_args)
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = launch_engine(argv, port=port, log_path=log_path, env=env, timeout_s=STARTUP_TIMEOUT_S)
     return EngineProcess(process, f"http://{LOOPBACK}:{port}")

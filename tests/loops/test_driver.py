@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -113,20 +112,12 @@ def test_final_adapter_is_served_by_the_engine_from_lora_paths(finished_run, tmp
     import httpx
 
     from miles_runner.models.tiny_model import ensure_tiny_model
-    from miles_testkit.launch import start_engine
+    from miles_testkit.launch import embedded_engine_argv, start_engine
 
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(ensure_tiny_model("tiny-moe")),
-        "--port",
-        str(port),
-        "--lora-paths",
-        f"trained={finished_run / 'adapter'}",
-    ]
+    argv = embedded_engine_argv(
+        ensure_tiny_model("tiny-moe"), port, "--lora-paths", f"trained={finished_run / 'adapter'}"
+    )
     engine = start_engine(argv, port=port, log_path=tmp_path / "engine.log", timeout_s=120)
     try:
 

@@ -7,8 +7,6 @@ but DELETE on one live session (its id fixed), so the chat, samples and proxy ha
 
 from __future__ import annotations
 
-import sys
-
 import httpx
 import pytest
 
@@ -16,7 +14,7 @@ from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.procs.ports import free_port
 from miles_runner.session.app import create_app
 from miles_runner.session.config import SessionServerConfig
-from miles_testkit.launch import start_engine
+from miles_testkit.launch import embedded_engine_argv, start_engine
 from miles_testkit.openapi_fuzz import assert_clean, fuzz_openapi
 from miles_testkit.servers import ThreadedServer
 
@@ -30,19 +28,7 @@ MAX_EXAMPLES = 10
 def session_server(tmp_path_factory):
     model_dir = ensure_tiny_model("tiny-moe")
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--api-key",
-        KEY,
-    ]
+    argv = embedded_engine_argv(model_dir, port, "--api-key", KEY)
     log = tmp_path_factory.mktemp("session-fuzz") / "engine.log"
     engine = start_engine(argv, port=port, log_path=log, timeout_s=300)
     config = SessionServerConfig(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from miles_runner.session.samples import Sample
 from miles_runner.session.server import build_parser, config_from_args
 from miles_runner.sglang_client.engine_pool import EnginePool
 from miles_runner.sglang_client.routed_experts import decode_routed_experts
-from miles_testkit.launch import engine_process, start_router
+from miles_testkit.launch import embedded_engine_argv, engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 
 pytestmark = pytest.mark.integration
@@ -66,22 +65,15 @@ def engines(plan: Plan, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 
 
 def engine_argv(plan: Plan, port: int, label: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
+    return embedded_engine_argv(
         plan.model_path,
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
+        port,
         "--random-seed",
         str(plan.seed),
         "--weight-version",
         label,
         "--enable-return-routed-experts",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

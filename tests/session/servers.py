@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess
-from miles_testkit.launch import start_engine
+from miles_testkit.launch import embedded_engine_argv, start_engine
 from miles_testkit.servers import ThreadedServer
 
 # The random tiny model rarely emits <|im_end|>; stopping on every even token id ends most turns with
@@ -48,22 +47,15 @@ def start_embedded_engine(
     model_dir: Path, adapter_dir: Path, log_dir: Path, *, api_key: str | None = None
 ) -> tuple[ManagedProcess, str]:
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    argv = embedded_engine_argv(
+        model_dir,
+        port,
         "--enable-return-routed-experts",
         "--enable-lora",
         "--lora-paths",
         f"{ADAPTER_NAME}={adapter_dir}",
         f"{SLOT_NAME}={adapter_dir}",
-    ]
+    )
     if api_key:
         argv += ["--api-key", api_key]
     process = start_engine(argv, port=port, log_path=log_dir / "engine.log", timeout_s=300)

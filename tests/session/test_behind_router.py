@@ -8,7 +8,6 @@ generated it, so which engine served a turn is read from the engine's own answer
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from miles_runner.session.config import read_num_layers
 from miles_runner.session.server import build_parser, config_from_args
 from miles_runner.sglang_client.routed_experts import decode_routed_experts
 from miles_runner.sglang_client.router import STICKY_POLICY
-from miles_testkit.launch import engine_process, start_router
+from miles_testkit.launch import embedded_engine_argv, engine_process, start_router
 from miles_testkit.servers import ThreadedServer
 
 pytestmark = pytest.mark.integration
@@ -58,23 +57,16 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def engine_argv(model_dir: Path, adapter: Path, port: int, label: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    return embedded_engine_argv(
+        model_dir,
+        port,
         "--weight-version",
         label,
         "--enable-return-routed-experts",
         "--enable-lora",
         "--lora-paths",
         f"{ADAPTER_NAME}={adapter}",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ for the tiny MoE: each as the trainer would hand it over (config dict + tensors)
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +12,9 @@ import pytest
 
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.model import Plan
-from miles_runner.procs.ports import LOOPBACK, free_port
+from miles_runner.procs.ports import free_port
 from miles_runner.sglang_client.client import EngineClient
-from miles_testkit.launch import engine_url, start_engine
+from miles_testkit.launch import embedded_engine_argv, engine_url, start_engine
 
 DIST_TIMEOUT_S = 5
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -58,22 +57,9 @@ def adapters(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tu
 def lora_engine(tiny_moe_dir: Path, log_dir: Path) -> Iterator[str]:
     """A LoRA-enabled embedded engine for sync tests: yields its URL, stops it after."""
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "miles_runner.embedded_engine",
-        "--model-path",
-        str(tiny_moe_dir),
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        "8",
-        "--dist-timeout",
-        str(DIST_TIMEOUT_S),
-    ]
+    argv = embedded_engine_argv(
+        tiny_moe_dir, port, "--enable-lora", "--max-lora-rank", "8", "--dist-timeout", str(DIST_TIMEOUT_S)
+    )
     process = start_engine(argv, port=port, log_path=log_dir / "engine.log", env={"HF_HUB_OFFLINE": "1"}, timeout_s=180)
     yield engine_url(argv, port)
     process.stop()
