@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
+import logging
 import os
 import shlex
 import signal
@@ -18,11 +20,13 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import urlsplit
 
 import httpx
 
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.plan.secrets import fill_secrets
+from miles_runner.procs.listeners import PortOwners, listener_owners
 from miles_runner.procs.warm import WARM_START_ENV, WarmChild, server_argv, wait_ready, warm_start
 
 LOG_TAIL_LINES = 40
@@ -33,7 +37,10 @@ _FAST_POLL_S, _FAST_POLL_FOR_S = 0.05, 2.0
 _POLL_S = 0.2
 _TAIL_BYTES = 64 * 1024
 _PROC = Path("/proc")
+# What a server that could not bind its port prints (Python's OSError, uvicorn, SGLang, the Rust router alike).
+_BIND_FAILED = "address already in use"
 _running: set[ManagedProcess] = set()
+log = logging.getLogger(__name__)
 
 
 class ProcessStartError(ComponentFailure):
@@ -48,7 +55,8 @@ class ManagedProcess:
     """One child process, started in a new session (so it leads its own process group) with output in a log.
 
     `env` adds to (or overrides) the parent's environment. `health_url` is polled with GET until it answers
-    200 (each probe waits at most `health_timeout_s`, all probes together at most `startup_timeout_s`).
+    200 from a socket that the process or a descendant listens on (each probe waits at most `health_timeout_s`, all
+    probes together at most `startup_timeout_s`).
     """
 
     def __init__(
@@ -112,20 +120,77 @@ class ManagedProcess:
         return self
 
     def wait_healthy(self) -> None:
-        """Block until `health_url` answers 200; on early exit or timeout stop the group and raise."""
+        """Block until `health_url` answers 200 from this process's own server: every socket listening there is
+        held by it or its descendants (procs/listeners.py), since a port checked free can still be taken by another
+        run's server before ours binds it. On early exit, timeout or a port held by another process, stop the
+        group and raise; nothing but health probes was sent to the port."""
         if self._popen is None:
             raise RuntimeError(f"{self.name} was never started")
         started = time.monotonic()
         deadline = started + self.startup_timeout_s
+        answered = False  # by its health URL, but from no socket of its own
         with httpx.Client(timeout=self.health_timeout_s, trust_env=False) as http:
             while True:
                 if not self.alive:
-                    raise self.start_failed("exited before it was healthy")
-                if self.health_url is None or _answers_ok(http, self.health_url):
+                    raise self.start_failed("exited before it was healthy" + self._port_taken_note())
+                if self.health_url is None:
                     return
+                if _answers_ok(http, self.health_url):
+                    if self._owns_port():
+                        return
+                    answered = True
                 if time.monotonic() >= deadline:
-                    raise self.start_failed(f"was not healthy at {self.health_url} within {self.startup_timeout_s:g} s")
+                    raise self.start_failed(self._not_healthy_reason(answered))
                 time.sleep(_FAST_POLL_S if time.monotonic() - started < _FAST_POLL_FOR_S else _POLL_S)
+
+    def health_address(self) -> tuple[str, int] | None:
+        """The host and port its health URL connects to (None without one)."""
+        if self.health_url is None:
+            return None
+        url = urlsplit(self.health_url)
+        return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+    def port_owners(self) -> PortOwners | None:
+        """Who holds the sockets listening at its health address, seen from this process's tree (None: no health
+        URL, not started, or a host whose /proc cannot tell)."""
+        address = self.health_address()
+        if address is None or self.pid is None:
+            return None
+        return listener_owners(*address, self.pid)
+
+    def _owns_port(self) -> bool:
+        """After a health answer: whether it came from this process's server. Raises the start failure if another
+        process listens there; False while nothing listens (it closed since), to poll again."""
+        owners = self.port_owners()
+        if owners is None:
+            _warn_unproven()
+            return True
+        if owners.others:
+            host, port = self.health_address() or ("", 0)
+            raise self.start_failed(
+                f"lost its port {host}:{port} to {'; '.join(owners.others)}, which answered its health check "
+                "(nothing else was sent there; stop that process or give this run other ports), and was stopped"
+            )
+        return owners.ours > 0
+
+    def _not_healthy_reason(self, answered: bool) -> str:
+        within = f"within {self.startup_timeout_s:g} s"
+        if answered:
+            own = f"pid {self.pid} or a child"
+            return f"answered at {self.health_url}, but never from a socket of its own ({own}) {within}"
+        return f"was not healthy at {self.health_url} {within}" + self._port_taken_note()
+
+    def _port_taken_note(self) -> str:
+        """Why it never served, where its port is the reason: who holds it now, or the bind failure in its log."""
+        address = self.health_address()
+        if address is None:
+            return ""
+        host, port = address
+        if (owners := self.port_owners()) is not None and owners.others:
+            return f": its port {host}:{port} is held by {'; '.join(owners.others)}"
+        if _BIND_FAILED in self.log_tail().lower():
+            return f": its port {host}:{port} was in use ({_BIND_FAILED}), by a process that has let it go since"
+        return ""
 
     def terminate(self) -> None:
         """SIGTERM the process group of a running process without waiting (stop() then waits for it)."""
@@ -261,6 +326,14 @@ def _die_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+@functools.cache  # once per process: the same for every server on this host
+def _warn_unproven() -> None:
+    log.warning(
+        "this host's /proc/net/tcp cannot be read, so a server that answers its health check is not proven to be the "
+        "one started (another process on its port would be used); ports are only checked free before the start"
+    )
 
 
 def _answers_ok(http: httpx.Client, url: str) -> bool:
