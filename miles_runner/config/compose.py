@@ -75,6 +75,17 @@ def compose(overrides: list[str]) -> ComposedConfig:
     return from_hydra_job(cfg, cfg.hydra, overrides, user_run_dir(cfg))
 
 
+def resolved_sweep_dir(overrides: list[str]) -> str:
+    """The sweep folder these overrides give (hydra.sweep.dir, its `${now:...}` resolved now). The swept settings
+    are left out: one config is composed, and a sweep folder does not depend on them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    register_base()
+    single = [text for text, override in zip(overrides, parsed, strict=True) if not override.is_sweep_override()]
+    return str(_hydra_compose(single).hydra.sweep.dir)
+
+
 @cache
 def shipped_hydra() -> Any:
     """The `hydra` node of the shipped config alone (no user folder, recipe or override)."""

@@ -25,7 +25,8 @@ from miles_runner.core.paths import conf_dir
 
 SEARCHPATH = SEARCHPATH_KEY
 RUN_DIR = "hydra.run.dir"
-SWEEP_KEYS = ("hydra.sweep.dir", "hydra.sweep.subdir")
+SWEEP_DIR_KEY = "hydra.sweep.dir"
+SWEEP_KEYS = (SWEEP_DIR_KEY, "hydra.sweep.subdir")
 LAUNCHER_GROUP, LAUNCHER_PREFIX = "hydra/launcher", "hydra.launcher."
 SLURM_LAUNCHER = "miles_slurm"  # hydra_plugins/miles_slurm_launcher: a single run is submitted as one job
 BASIC_LAUNCHER = "basic"

@@ -93,7 +93,11 @@ def _convert(tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _convert(args[0], value, path, issues, choices)
+        return _convert_union(args, value, path, issues, choices)
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            issues.append(SchemaIssue(path, f"expected {_type_name(tp)}, got {_describe(value)}"))
+        return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, value, path, issues, choices)
     if origin is list:
@@ -106,6 +110,25 @@ def _convert(tp: Any, value: Any, path: str, issues: list[SchemaIssue], choices:
     if tp is Any:
         return value
     return _convert_scalar(tp, value, path, issues, choices)
+
+
+def _convert_union(args: list[Any], value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> Any:
+    """The value as the first member type that takes it whole (`int | Literal["auto"]`: a port or "auto")."""
+    if len(args) == 1:
+        return _convert(args[0], value, path, issues, choices)
+    for arg in args:
+        tried: list[SchemaIssue] = []
+        converted = _convert(arg, value, path, tried, choices)
+        if not tried:
+            return converted
+    issues.append(SchemaIssue(path, f"expected {' or '.join(map(_type_name, args))}, got {_describe(value)}"))
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(arg) for arg in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
 
 
 def _convert_dataclass(cls: type, value: Any, path: str, issues: list[SchemaIssue], choices: Choices) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
 from miles_runner.core.sglang_protocol import ENGINE_BUILDS, MILES_FORK
 from miles_runner.core.tito_families import TITO_FAMILIES
@@ -43,6 +43,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logger.progress": ("auto", "rich", "plain"),
 }
 
+
+# A server's port: a number, or "auto": a free one picked where and when the server starts (the executor records
+# it in the run folder), so that runs, sweep points and Slurm jobs sharing a machine never meet on a port.
+AUTO_PORT: Final = "auto"
+Port = int | Literal["auto"]
 
 # Keys that were renamed, old spelling -> new: refused with a did-you-mean naming the new key (one name per concept:
 # a config key, the plan field it sets and the code that reads it share it).
@@ -165,7 +170,7 @@ class AdaptersConfig:
     path: str = ""  # start from an existing adapter
     runs: list[AdapterEntry] = field(default_factory=list)
     max_slots: int = 0  # multi-LoRA slots on the engines; 0: one per configured run
-    api_port: int = 8068
+    api_port: Port = AUTO_PORT  # the multi-LoRA controller's HTTP API
     idle_poll_s: float = 5.0
     service_mode: bool = False
     max_coalesce_wait_s: float = 0.5
@@ -179,7 +184,7 @@ class EngineConfig:
     tp_size: int = 1  # rollout_num_gpus_per_engine
     ep_size: int = 1
     dp_attention: bool = False
-    base_port: int = 30010
+    base_port: Port = AUTO_PORT  # a number: engine i's node rank r serves on base_port + i + r * engines
     # An engine wider than a node: its node ranks meet at rank 0's node on dist_init_port + 10 * engine index
     # (SGLang --dist-init-addr; with DP attention SGLang also takes the next 6 ports there for its sockets).
     dist_init_port: int = 30200
@@ -201,15 +206,15 @@ class EngineConfig:
 class RouterConfig:
     kind: str = "none"
     policy: str = "auto"  # auto: manual with sessions (sticky by routing key), else round_robin
-    port: int = 30000
-    metrics_port: int = 30090  # its Prometheus exporter, bound to loopback too
+    port: Port = AUTO_PORT
+    metrics_port: Port = AUTO_PORT  # its Prometheus exporter, bound to loopback too
 
 
 @dataclass(frozen=True)
 class SessionConfig:
     version: str = "off"
     host: str = "127.0.0.1"
-    port: int = 30001
+    port: Port = AUTO_PORT
     tito_model: str = "default"
     message_matcher: str = "strict"
     max_trim_tokens: int = 1

@@ -14,8 +14,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict
+from miles_runner.plan.model import CONTROLLER, Launch, Plan, plan_from_dict, plan_to_dict, plan_with_ports
+from miles_runner.plan.record import write_ports
 from miles_runner.procs.launch import check_ports, launch_process
+from miles_runner.procs.ports import ANY_ADDRESS, free_port
 from miles_runner.procs.process import ManagedProcess
 
 CONTROLLER_ACTOR = "miles_multi_lora_controller"
@@ -28,12 +30,23 @@ def controller_launch(plan: Plan) -> Launch:
     return plan.multi_lora.launch
 
 
+def choose_controller_port(plan: Plan, run_dir: Path) -> Plan:
+    """The plan with the controller's port chosen, if it is chosen at start ("auto"), and recorded with the others
+    (the service starts on the driver's node, or the Ray head node, which is the same)."""
+    launch = controller_launch(plan)
+    if not launch.port_name:
+        return plan
+    ports = {launch.port_name: free_port(ANY_ADDRESS)}
+    write_ports(run_dir, ports, add=True)
+    return plan_with_ports(plan, ports)
+
+
 def controller_process(plan: Plan, run_dir: Path) -> ManagedProcess:
     """The controller service as a supervised child process (`with` starts it healthy), run in the run folder."""
     launch = controller_launch(plan)
     check_ports([("the multi-LoRA controller", launch)])
     return launch_process(
-        "multi_lora_controller",
+        CONTROLLER,
         launch,
         run_dir / "logs",
         startup_timeout_s=plan.executor.health_timeout_s,

@@ -19,7 +19,7 @@ named, and is not restarted (its ranks meet only at start-up).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -28,11 +28,21 @@ from typing import Any
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.models.tiny_model import ensure_tiny_model
 from miles_runner.plan.derive import TINY_MODEL_SEED, parse_tiny_model
-from miles_runner.plan.model import EnginePlan, Launch, Plan, engine_rank_name, plan_on_nodes, server_launches
+from miles_runner.plan.model import (
+    EnginePlan,
+    Launch,
+    Plan,
+    engine_rank_name,
+    plan_on_nodes,
+    plan_with_ports,
+    ports_to_choose,
+    server_launches,
+)
 from miles_runner.plan.model_shape import checkpoint_config, describe_mismatches, shape_mismatches
+from miles_runner.plan.record import write_ports
 from miles_runner.plan.secrets import run_api_key
 from miles_runner.procs.launch import check_ports, launch_process
-from miles_runner.procs.ports import LOOPBACK, port_is_free
+from miles_runner.procs.ports import ANY_ADDRESS, LOOPBACK, free_ports, port_is_free
 from miles_runner.procs.process import ManagedProcess, ProcessGroup
 from miles_runner.sglang_client.router import ensure_worker, wait_for_workers
 
@@ -47,6 +57,7 @@ class EngineLostError(ComponentFailure):
 class Deployment:
     """What the driver talks to once everything is up."""
 
+    plan: Plan  # the plan as it runs: every port chosen at start filled in (what RUN_DIR/ports.json records)
     engine_urls: list[str]
     rollout_url: str  # the router, else the only engine
     session_url: str | None
@@ -104,8 +115,9 @@ class LocalExecutor(Executor):
         node: int | None = None,
         addresses: Sequence[str] = (LOOPBACK,),
     ):
-        self.plan = plan_on_nodes(plan, addresses)  # what runs: the nodes' own addresses
+        self.plan = plan_on_nodes(plan, addresses)  # what runs: the nodes' own addresses, then the ports chosen
         self.mine = {name for name, launch in server_launches(plan) if node is None or launch.node == node}
+        self.ports: dict[str, int] = {}  # chosen at start (here, or by the agents of the other nodes)
         self.run_dir = Path(run_dir)
         self.timeout_override = startup_timeout_s  # else each component's own timeout, from the plan
         self.startup_timeout_s = startup_timeout_s or plan.executor.health_timeout_s
@@ -118,6 +130,17 @@ class LocalExecutor(Executor):
 
     def launches(self) -> list[tuple[str, Launch]]:
         return [(name, launch) for name, launch in server_launches(self.plan) if name in self.mine]
+
+    def use_ports(self, ports: Mapping[str, int]) -> None:
+        """Fill in ports chosen at start (by the agents of other nodes, or here)."""
+        self.ports.update(ports)
+        self.plan = plan_with_ports(self.plan, ports)
+
+    def choose_ports(self, names: Collection[str]) -> None:
+        """Pick a free port for each port of the components `names` still to be chosen ("auto"), here, where they
+        will bind it: free on every address of this host, and never one this process handed out before."""
+        wanted = sorted(ports_to_choose(self.plan, [name for name in names if name in self.mine]))
+        self.use_ports(dict(zip(wanted, free_ports(len(wanted), ANY_ADDRESS), strict=True)))
 
     def check_ports(self) -> None:
         check_ports(self.launches())
@@ -171,6 +194,7 @@ class LocalExecutor(Executor):
     def start(self) -> Deployment:
         self.start_engines()
         self.start_services()
+        write_ports(self.run_dir, self.ports)
         return self.deployment()
 
     def start_engines(self) -> None:
@@ -178,6 +202,7 @@ class LocalExecutor(Executor):
         ranks together (their model loads overlap; the ranks of an engine wider than a node meet while loading),
         each healthy before this returns."""
         self.api_key = run_api_key(self.plan.security.api_key_env)
+        self.choose_ports([name for name, _ in self.launches()])
         self.check_ports()
         self.prepare_model()
         processes = self.engine_processes()
@@ -195,8 +220,10 @@ class LocalExecutor(Executor):
         self.engines = {e.index: processes[e.name] for e in self.plan.engines if e.name in processes}
         self.ranks = {name: process for name, process in processes.items() if name not in self.engine_names}
 
-    def start_services(self) -> None:
-        """The router and the session server, if on this node, once every engine (of every node) is healthy."""
+    def start_services(self, ports: Mapping[str, int] | None = None) -> None:
+        """The router and the session server, if on this node, once every engine (of every node) is healthy and
+        its port (`ports`: those the other nodes chose) is known."""
+        self.use_ports(ports or {})
         try:
             for name, launch in self.launches():
                 if name.startswith("engine"):
@@ -217,6 +244,7 @@ class LocalExecutor(Executor):
     def deployment(self) -> Deployment:
         plan = self.plan
         return Deployment(
+            plan=plan,
             engine_urls=[e.launch.url for e in plan.engines],
             rollout_url=plan.rollout_url,
             session_url=plan.session.launch.url if plan.session else None,

@@ -38,7 +38,16 @@ from typing import Any
 from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.executors.local import Deployment, Executor, LocalExecutor
-from miles_runner.plan.model import Launch, Plan, plan_from_dict, plan_to_dict, server_launches
+from miles_runner.plan.model import (
+    Launch,
+    Plan,
+    plan_from_dict,
+    plan_on_nodes,
+    plan_to_dict,
+    plan_with_ports,
+    server_launches,
+)
+from miles_runner.plan.record import write_ports
 from miles_runner.plan.secrets import key_environment, run_api_key
 from miles_runner.procs.ports import LOOPBACK, address_answers
 from miles_runner.procs.process import ManagedProcess
@@ -86,17 +95,26 @@ class NodeAgentBody:
             "pid": os.getpid(),
         }
 
-    def start_engines(self, addresses: list[str]) -> None:
+    def start_engines(self, addresses: list[str]) -> dict[str, int]:
+        """Start this node's engines; returns the ports chosen here (this node's servers', by name)."""
         self.executor = LocalExecutor(
             self.plan, self.run_dir, startup_timeout_s=self.startup_timeout_s, node=self.node, addresses=addresses
         )
         self.executor.start_engines()
+        return self.executor.ports
 
-    def start_services(self) -> dict[str, Any]:
+    def start_services(self, ports: dict[str, int]) -> dict[str, Any]:
+        """Start this node's router and session server, given the ports every node chose; returns where the driver
+        reaches the servers and every port known here."""
         assert self.executor is not None, "start_engines first"
-        self.executor.start_services()
+        self.executor.start_services(ports)
         d = self.executor.deployment()
-        return {"engine_urls": d.engine_urls, "rollout_url": d.rollout_url, "session_url": d.session_url}
+        return {
+            "engine_urls": d.engine_urls,
+            "rollout_url": d.rollout_url,
+            "session_url": d.session_url,
+            "ports": self.executor.ports,
+        }
 
     def start_process(self, name: str, launch: Launch) -> int | None:
         assert self.executor is not None, "start_engines first"
@@ -256,7 +274,9 @@ class RayExecutor(Executor):
         except BaseException:
             self.stop()
             raise
+        addresses = [agent.address for agent in self.agents]
         return Deployment(
+            plan_with_ports(plan_on_nodes(self.plan, addresses), info["ports"]),
             info["engine_urls"],
             info["rollout_url"],
             info["session_url"],
@@ -369,10 +389,15 @@ class RayExecutor(Executor):
     def _start_components(self) -> dict[str, Any]:
         """Engines on every node (together), then the router and the session server on their node."""
         addresses = [agent.address for agent in self.agents]
-        self._gather([a.actor.start_engines.remote(addresses) for a in self.agents], self.agents, timeout=None)
-        infos = self._gather([a.actor.start_services.remote() for a in self.agents], self.agents, timeout=None)
+        chosen: dict[str, int] = {}  # the ports chosen at start, each on the node of its server
+        for ports in self._gather([a.actor.start_engines.remote(addresses) for a in self.agents], self.agents, None):
+            chosen.update(ports)
+        infos = self._gather([a.actor.start_services.remote(chosen) for a in self.agents], self.agents, timeout=None)
+        for info in infos:
+            chosen.update(info["ports"])
+        write_ports(self.run_dir, chosen)
         self.pids = [pid for agent in self.agents for pid in self._pids(agent).values() if pid]
-        return infos[0]
+        return {**infos[0], "ports": chosen}
 
     def _pids(self, agent: AgentHandle) -> dict[str, int | None]:
         return agent.call("pids")

@@ -144,7 +144,7 @@ class SingleAdapterLoop:
     async def _train(self, deployment: Deployment, early: Future[RankedTrainer] | None) -> list[dict[str, Any]]:
         """Build the run's parts, give the engines the trainer's adapter, train every step, save the adapter;
         everything is closed after, in reverse order."""
-        plan, key = self.plan, deployment.api_key  # the run's key: every server requires it
+        plan, key = deployment.plan, deployment.api_key  # as it runs (its ports chosen); the key every server requires
         async with contextlib.AsyncExitStack() as stack:
             trainer = await asyncio.wrap_future(early) if early else self._build_trainer(deployment.remote_ranks)
             stack.callback(trainer.close)  # the other trainer ranks leave

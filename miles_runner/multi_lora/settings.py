@@ -23,7 +23,7 @@ from miles_runner.core.adapters import AdapterLimits
 from miles_runner.multi_lora.config import AdapterDefaults, plan_overrides
 from miles_runner.multi_lora.controller import MultiLoRAController
 from miles_runner.plan.model import Plan
-from miles_runner.plan.record import read_plan
+from miles_runner.plan.record import read_started_plan
 from miles_runner.plan.secrets import secret_value
 from miles_runner.plugins.lookup import registered
 from miles_runner.sglang_client.engine_pool import fixed_engines, router_engines
@@ -135,7 +135,7 @@ def settings_from_flags(args: argparse.Namespace) -> ControllerSettings:
 def load_settings(args: argparse.Namespace) -> ControllerSettings:
     if args.plan:
         plan_path = Path(args.plan).resolve()
-        settings = settings_from_plan(read_plan(plan_path), plan_path.parent)
+        settings = settings_from_plan(read_started_plan(plan_path), plan_path.parent)
     else:
         settings = settings_from_flags(args)
     return replace(settings, api_token=api_token(args), adapters_dir=args.adapters_dir)

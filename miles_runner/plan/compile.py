@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.config.provenance import format_value
-from miles_runner.config.schema import MilesConfig, OptimizerConfig, lookup
+from miles_runner.config.schema import AUTO_PORT, MilesConfig, OptimizerConfig, Port, lookup
 from miles_runner.core.adapters import AdapterSpec, adapter_spec
 from miles_runner.core.errors import PlanError, Problem
 from miles_runner.plan import render
@@ -26,6 +26,8 @@ from miles_runner.plan.derive import (
 )
 from miles_runner.plan.devices import engine_dist_init_port, engine_layouts, engine_rank_port, trainer_devices
 from miles_runner.plan.model import (
+    CONTROLLER,
+    ROUTER_METRICS,
     BatchPlan,
     Capabilities,
     ClusterPlan,
@@ -39,6 +41,7 @@ from miles_runner.plan.model import (
     SessionPlan,
     TrainerPlan,
     WeightSyncPlan,
+    engine_rank_name,
     node_host,
     resolve_max_logprob_gap,
     resolve_verify,
@@ -238,29 +241,38 @@ def engine_launch(
     """Node rank `rank` of engine `index`, on nodes[rank], serving on its engine_rank_port (plan/devices.py). Across
     nodes every rank runs SGLang's same command with its --node-rank, all meeting at rank 0's node on the engine's
     dist-init port; a rank R > 0 serves its stand-in /health on its own node."""
-    node, port = nodes[rank], engine_rank_port(cfg, d, index, rank)
+    node, name = nodes[rank], engine_rank_name(index, rank) if rank else f"engine{index}"
+    base = cfg.engine.base_port
+    port = server_port(base, name) if base == AUTO_PORT else Launch([], port=engine_rank_port(cfg, d, index, rank))
     env = {} if cfg.cluster.cpu_only else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, device_ids))}
     node_rank = None
     if len(nodes) > 1:
         dist_init = f"{host_on(cfg, nodes[0])}:{engine_dist_init_port(cfg, index)}"
         node_rank = render.NodeRank(len(nodes), rank, dist_init)
-    argv = render.engine_argv(cfg, d, host=host_on(cfg, node), port=port, node_rank=node_rank)
-    return Launch(argv, host_on(cfg, node), port, env, "/health")
+    argv = render.engine_argv(cfg, d, host=host_on(cfg, node), port=port.port_text, node_rank=node_rank)
+    return Launch(argv, host_on(cfg, node), port.port, env, "/health", port.port_name)
+
+
+def server_port(setting: Port, name: str) -> Launch:
+    """A server's port setting as a Launch's port fields (the rest is filled in by the caller): the fixed number,
+    or, for "auto", port 0 and the name its port is chosen under at start."""
+    return Launch([], port=0, port_name=name) if setting == AUTO_PORT else Launch([], port=int(setting))
 
 
 def build_router(cfg: MilesConfig, d: Derived, engines: list[EnginePlan]) -> RouterPlan | None:
     if cfg.router.kind == "none":
         return None
     urls, host = [e.launch.url for e in engines], host_on(cfg, SERVICES_NODE)
+    port, metrics = server_port(cfg.router.port, "router"), server_port(cfg.router.metrics_port, ROUTER_METRICS)
     argv = render.router_argv(
         host,
-        cfg.router.port,
+        port.port_text,
         d.router_policy,
         urls,
-        metrics_port=cfg.router.metrics_port,
+        metrics_port=metrics.port_text,
         api_key_env=cfg.security.api_key_env,
     )
-    return RouterPlan(d.router_policy, Launch(argv, host, cfg.router.port, {}, "/health"))
+    return RouterPlan(d.router_policy, Launch(argv, host, port.port, {}, "/health", port.port_name))
 
 
 def build_session(
@@ -274,7 +286,10 @@ def build_session(
     # session.host is the single-node bind address; across nodes the server binds node 0's own address (the
     # rule multi-node-session-host refuses another session.host there).
     host = cfg.session.host if cfg.cluster.nodes == 1 else host_on(cfg, SERVICES_NODE)
-    argv = render.session_argv(cfg, d, host=host, router_url=router_url, engine_urls=engine_urls, lora_name=lora_name)
+    port = server_port(cfg.session.port, "session")
+    argv = render.session_argv(
+        cfg, d, host=host, port=port.port_text, router_url=router_url, engine_urls=engine_urls, lora_name=lora_name
+    )
     return SessionPlan(
         version=cfg.session.version,
         lora_name=lora_name,
@@ -282,7 +297,7 @@ def build_session(
         return_routed_experts=cfg.rollout.routing_replay,
         tito_model=cfg.session.tito_model,
         message_matcher=cfg.session.message_matcher,
-        launch=Launch(argv, host, cfg.session.port, {}, "/health"),
+        launch=Launch(argv, host, port.port, {}, "/health", port.port_name),
     )
 
 
@@ -290,7 +305,8 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
     if not d.multi_lora:
         return None
     a = cfg.adapters
-    argv = render.controller_argv(LOOPBACK, a.api_port, cfg.security.api_key_env)
+    port = server_port(a.api_port, CONTROLLER)
+    argv = render.controller_argv(LOOPBACK, port.port_text, cfg.security.api_key_env)
     return MultiLoRAPlan(
         slots=d.multi_lora_slots,
         max_lora_rank=d.max_lora_rank,
@@ -302,7 +318,7 @@ def build_multi_lora(cfg: MilesConfig, d: Derived) -> MultiLoRAPlan | None:
         max_empty_wait_s=a.max_empty_wait_s,
         idle_poll_s=a.idle_poll_s,
         service_mode=a.service_mode,
-        launch=Launch(argv, LOOPBACK, a.api_port, {}, "/health"),
+        launch=Launch(argv, LOOPBACK, port.port, {}, "/health", port.port_name),
     )
 
 

@@ -56,7 +56,10 @@ def engine_rank_port(cfg: MilesConfig, d: Derived, index: int, rank: int) -> int
     """Node rank `rank` of engine `index` serves on base_port + index + rank * num_engines: rank 0 (the engine's
     HTTP server) on base_port + index, each further rank (its stand-in /health) above every engine's rank 0, so
     ports stay distinct even where nodes share an address."""
-    return cfg.engine.base_port + index + rank * d.num_engines
+    base = cfg.engine.base_port
+    if not isinstance(base, int):
+        raise ValueError("engine.base_port is chosen at start (auto): no engine port is numbered from it")
+    return base + index + rank * d.num_engines
 
 
 def engine_dist_init_port(cfg: MilesConfig, index: int) -> int:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from miles_runner.config.loader import load_dataclass
 from miles_runner.config.schema import (
+    AUTO_PORT,
     AlgorithmConfig,
     CheckpointConfig,
     EngineConfig,
@@ -45,6 +46,24 @@ def fill_node_hosts(text: str, addresses: Sequence[str]) -> str:
     return NODE_HOST.sub(lambda m: addresses[int(m.group(1))], text)
 
 
+# A port chosen at start (config "auto") is a placeholder too, `{port:<name>}`: in its server's URL and in every
+# command line that names that server (the router's engines, the session server's upstreams). The executor that
+# starts the server picks a free port on its node and fills it in everywhere (plan_with_ports).
+PORT_PLACEHOLDER = re.compile(r"\{port:([\w-]+)\}")
+ROUTER_METRICS = "router-metrics"  # the router's second port, in its command line only
+PORTS_FILE = "ports.json"  # in the run folder: every port chosen at start, by name, as the servers bound them
+
+
+def port_placeholder(name: str) -> str:
+    """The placeholder for the port of `name` (a component, or ROUTER_METRICS), chosen at start."""
+    return f"{{port:{name}}}"
+
+
+def fill_ports(text: str, ports: Mapping[str, int]) -> str:
+    """`text` with the placeholder of every port in `ports` replaced by its number; others stay."""
+    return PORT_PLACEHOLDER.sub(lambda m: str(ports[m.group(1)]) if m.group(1) in ports else m.group(0), text)
+
+
 @dataclass(frozen=True)
 class Launch:
     """How to start one real component: argv (argv[0] "python" means the run's interpreter), env, address.
@@ -57,10 +76,26 @@ class Launch:
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     health_path: str = "/health"
+    port_name: str = ""  # its port is chosen at start as `{port:<port_name>}` (port 0 until then); "": fixed
+
+    @property
+    def port_text(self) -> str:
+        """The port, or its placeholder while it is still to be chosen."""
+        return port_placeholder(self.port_name) if self.port_name else str(self.port)
+
+    @property
+    def port_label(self) -> str:
+        """The port as a reader sees it: the number, or "auto" while it is still to be chosen."""
+        return AUTO_PORT if self.port_name else str(self.port)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.host}:{self.port_text}"
+
+    def placeholders(self) -> set[str]:
+        """The names of the ports still to be chosen that this launch binds or names."""
+        texts = [self.host, *self.argv, *self.env.values()]
+        return {self.port_name} - {""} | {name for text in texts for name in PORT_PLACEHOLDER.findall(text)}
 
     @property
     def node(self) -> int:
@@ -70,11 +105,22 @@ class Launch:
 
     def on_nodes(self, addresses: Sequence[str]) -> Launch:
         """This launch with the nodes' own addresses in place of their placeholders (host, argv and env)."""
+        return self.filled(lambda text: fill_node_hosts(text, addresses))
+
+    def with_ports(self, ports: Mapping[str, int]) -> Launch:
+        """This launch with the ports of `ports` in place of their placeholders, its own port among them."""
+        filled = self.filled(lambda text: fill_ports(text, ports))
+        if self.port_name in ports:
+            return dataclasses.replace(filled, port=ports[self.port_name], port_name="")
+        return filled
+
+    def filled(self, fill: Callable[[str], str]) -> Launch:
+        """This launch with `fill` applied to its host, argv and env values."""
         return dataclasses.replace(
             self,
-            host=fill_node_hosts(self.host, addresses),
-            argv=[fill_node_hosts(a, addresses) for a in self.argv],
-            env={k: fill_node_hosts(v, addresses) for k, v in self.env.items()},
+            host=fill(self.host),
+            argv=[fill(a) for a in self.argv],
+            env={k: fill(v) for k, v in self.env.items()},
         )
 
 
@@ -145,16 +191,19 @@ class EnginePlan:
     def name(self) -> str:
         return f"engine{self.index}"
 
-    def on_nodes(self, addresses: Sequence[str]) -> EnginePlan:
-        """This engine with the nodes' own addresses in place of their placeholders, in every node rank."""
-        ranks = [dataclasses.replace(r, launch=r.launch.on_nodes(addresses)) for r in self.node_ranks]
-        return dataclasses.replace(self, launch=self.launch.on_nodes(addresses), node_ranks=ranks)
+    def mapped(self, change: Callable[[Launch], Launch]) -> EnginePlan:
+        """This engine with `change` applied to the launch of every node rank."""
+        ranks = [dataclasses.replace(r, launch=change(r.launch)) for r in self.node_ranks]
+        return dataclasses.replace(self, launch=change(self.launch), node_ranks=ranks)
 
     def placements(self) -> list[tuple[int, int]]:
         """Every (node, device) the engine runs on, all its node ranks."""
         return [(self.nodes[0], s) for s in self.device_ids] + [
             (r.node, s) for r in self.node_ranks for s in r.device_ids
         ]
+
+
+CONTROLLER = "multi_lora_controller"  # the multi-LoRA controller service's component name (its log, its port)
 
 
 def engine_rank_name(index: int, node_rank: int) -> str:
@@ -329,13 +378,44 @@ def _argv_ports(argv: Sequence[str]) -> Iterator[int]:
 def plan_on_nodes(plan: Plan, addresses: Sequence[str]) -> Plan:
     """The plan with the nodes' own addresses in place of their placeholders in every launch (a single-node plan
     comes back equal); read each component's node (Launch.node) from the plan before this."""
+    return map_launches(plan, lambda launch: launch.on_nodes(addresses))
+
+
+def plan_with_ports(plan: Plan, ports: Mapping[str, int]) -> Plan:
+    """The plan with the ports chosen at start (`ports`, by name) in place of their placeholders in every launch."""
+    return map_launches(plan, lambda launch: launch.with_ports(ports)) if ports else plan
+
+
+def plan_launches(plan: Plan) -> list[Launch]:
+    """Every server's launch: the executor's, and the multi-LoRA controller's."""
+    return [launch for _, launch in named_launches(plan)]
+
+
+def named_launches(plan: Plan) -> list[tuple[str, Launch]]:
+    named = server_launches(plan)
+    return [*named, (CONTROLLER, plan.multi_lora.launch)] if plan.multi_lora else named
+
+
+def ports_to_choose(plan: Plan, names: Collection[str]) -> set[str]:
+    """The ports still to be chosen where the components `names` run: their own, and the extra ports only their
+    command lines name (the router's metrics port); never another component's, which is chosen where it runs."""
+    named = dict(named_launches(plan))
+    servers = {launch.port_name for launch in named.values()} - {""}
+    mine = [named[name] for name in names if name in named]
+    return {launch.port_name for launch in mine} - {""} | {
+        extra for launch in mine for extra in launch.placeholders() if extra not in servers
+    }
+
+
+def map_launches(plan: Plan, change: Callable[[Launch], Launch]) -> Plan:
+    """The plan with `change` applied to every server's launch."""
     replace = dataclasses.replace
     return replace(
         plan,
-        engines=[e.on_nodes(addresses) for e in plan.engines],
-        router=plan.router and replace(plan.router, launch=plan.router.launch.on_nodes(addresses)),
-        session=plan.session and replace(plan.session, launch=plan.session.launch.on_nodes(addresses)),
-        multi_lora=plan.multi_lora and replace(plan.multi_lora, launch=plan.multi_lora.launch.on_nodes(addresses)),
+        engines=[e.mapped(change) for e in plan.engines],
+        router=plan.router and replace(plan.router, launch=change(plan.router.launch)),
+        session=plan.session and replace(plan.session, launch=change(plan.session.launch)),
+        multi_lora=plan.multi_lora and replace(plan.multi_lora, launch=change(plan.multi_lora.launch)),
     )
 
 

@@ -1,4 +1,5 @@
-"""The run folder's record of what was planned: plan.yaml, the resolved config.yaml and provenance.json."""
+"""The run folder's record of what was planned: plan.yaml, the resolved config.yaml and provenance.json, and of the
+ports chosen at start (ports.json)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import yaml
 from miles_runner.config.compose import ComposedConfig
 from miles_runner.core.faults import active_fault_switches
 from miles_runner.core.sglang_protocol import SGLANG_VERSION
-from miles_runner.plan.model import Plan, plan_from_dict, plan_to_dict
+from miles_runner.plan.model import PORTS_FILE, Plan, plan_from_dict, plan_to_dict, plan_with_ports
 
 TRACKED_PACKAGES = (
     "miles-runner",
@@ -60,6 +62,24 @@ def write_run_record(run_dir: Path, composed: ComposedConfig, plan: Plan, argv: 
 
 def read_plan(path: str | Path) -> Plan:
     return plan_from_dict(yaml.safe_load(Path(path).read_text()))
+
+
+def read_started_plan(path: str | Path) -> Plan:
+    """A plan.yaml with the ports chosen at start (the ports.json beside it) filled in: the plan as it runs, for
+    what starts after the executor (the multi-LoRA controller reads the engines' URLs from it)."""
+    return plan_with_ports(read_plan(path), read_ports(Path(path).parent))
+
+
+def write_ports(run_dir: Path, ports: Mapping[str, int], *, add: bool = False) -> None:
+    """Record the ports chosen at start (`add`: to those recorded by this start so far)."""
+    recorded = {**(read_ports(run_dir) if add else {}), **ports}
+    if recorded:
+        (run_dir / PORTS_FILE).write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+
+
+def read_ports(run_dir: Path) -> dict[str, int]:
+    path = Path(run_dir) / PORTS_FILE
+    return {name: int(port) for name, port in json.loads(path.read_text()).items()} if path.exists() else {}
 
 
 def provenance_record(composed: ComposedConfig, argv: list[str]) -> dict[str, Any]:

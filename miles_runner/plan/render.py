@@ -26,7 +26,9 @@ class NodeRank(NamedTuple):
     dist_init_addr: str
 
 
-def engine_argv(cfg: MilesConfig, d: Derived, *, host: str, port: int, node_rank: NodeRank | None = None) -> list[str]:
+def engine_argv(
+    cfg: MilesConfig, d: Derived, *, host: str, port: int | str, node_rank: NodeRank | None = None
+) -> list[str]:
     e = cfg.engine
     argv = [PYTHON, "-m", ENGINE_MODULES[e.kind], "--model-path", d.model_path, "--host", host, "--port", str(port)]
     argv += ["--served-model-name", cfg.model.name]  # what /v1/models and /model_info call the base model
@@ -95,7 +97,7 @@ def lora_flags(cfg: MilesConfig, d: Derived) -> list[str]:
 
 
 def router_argv(
-    host: str, port: int, policy: str, worker_urls: list[str], *, metrics_port: int, api_key_env: str = ""
+    host: str, port: int | str, policy: str, worker_urls: list[str], *, metrics_port: int | str, api_key_env: str = ""
 ) -> list[str]:
     """The real sglang-router's command line; its metrics exporter binds `host` too (default is 0.0.0.0). With
     the run's key, sglang-router 0.3.2 sends it to its workers and requires it on every route but /health."""
@@ -119,13 +121,20 @@ def router_argv(
 
 
 def session_argv(
-    cfg: MilesConfig, d: Derived, *, host: str, router_url: str | None, engine_urls: list[str], lora_name: str | None
+    cfg: MilesConfig,
+    d: Derived,
+    *,
+    host: str,
+    port: int | str,
+    router_url: str | None,
+    engine_urls: list[str],
+    lora_name: str | None,
 ) -> list[str]:
     s = cfg.session
     # Each session is pinned to one of the router's workers, else of every engine (session/upstream.py).
     upstream = ["--router-url", router_url] if router_url else [a for url in engine_urls for a in ("--engine-url", url)]
     argv = [PYTHON, "-m", "miles_runner.session.server", *upstream, "--model-path", d.model_path]
-    argv += ["--host", host, "--port", str(s.port), "--version", s.version]
+    argv += ["--host", host, "--port", str(port), "--version", s.version]
     argv += ["--max-trim-tokens", str(s.max_trim_tokens), "--upstream-timeout", str(s.upstream_timeout_s)]
     argv += ["--tito-model", s.tito_model, "--message-matcher", s.message_matcher]
     argv += ["--max-sessions", str(s.max_sessions), "--max-age", str(s.max_age_s)]
@@ -163,7 +172,7 @@ def trainer_rank_launch(run_dir: str, rank: int, device: int, master_address: st
     return Launch(argv, env={"LOCAL_RANK": str(device)}, health_path="")
 
 
-def controller_argv(host: str, port: int, api_key_env: str = "") -> list[str]:
+def controller_argv(host: str, port: int | str, api_key_env: str = "") -> list[str]:
     """The multi-LoRA controller service; it requires the run's key (and sends it to the engines it aborts on)."""
     return [
         PYTHON,

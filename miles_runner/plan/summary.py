@@ -6,7 +6,15 @@ import shlex
 
 from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.core.sglang_protocol import SGLANG_VERSION, STOCK
-from miles_runner.plan.model import Launch, Plan, engine_rank_name, node_host, server_launches
+from miles_runner.plan.model import (
+    PORTS_FILE,
+    Launch,
+    Plan,
+    engine_rank_name,
+    node_host,
+    plan_launches,
+    server_launches,
+)
 
 
 def summarize(plan: Plan, plan_path: str) -> str:
@@ -19,15 +27,17 @@ def summarize(plan: Plan, plan_path: str) -> str:
         ("engines", engines_line(plan)),
     ]
     if plan.router:
-        rows.append(("router", f"sglang-router on :{plan.router.launch.port}, policy {plan.router.policy}"))
+        rows.append(("router", f"sglang-router on :{plan.router.launch.port_label}, policy {plan.router.policy}"))
     rows.append(("rollout", rollout_line(plan)))
     if plan.session:
         rows.append(("session", session_line(plan)))
     if plan.multi_lora:
         m = plan.multi_lora
         names = ", ".join(a.name for a in plan.adapters) or "none yet"
-        rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port}"))
+        rows.append(("adapters", f"{len(plan.adapters)} of {m.slots} slots ({names}); API on :{m.launch.port_label}"))
     rows.append(("auth", auth_line(plan)))
+    if any(launch.port_name for launch in plan_launches(plan)):
+        rows.append(("ports", f"auto: chosen free at start where each server runs, recorded in RUN_DIR/{PORTS_FILE}"))
     rows += [
         ("sync", sync_line(plan)),
         ("verify", verify_line(plan)),
@@ -156,8 +166,8 @@ def session_line(plan: Plan) -> str:
     r3 = "on" if s.use_addition_r3 else "off"
     pause = plan.weight_sync.pause_generation_mode
     return (
-        f"{s.version} on :{s.launch.port}, {turns_line(plan)}, {adapter}, incremental R3 {r3} (pause mode {pause}), "
-        f"TITO {s.tito_model}, matcher {s.message_matcher}"
+        f"{s.version} on :{s.launch.port_label}, {turns_line(plan)}, {adapter}, incremental R3 {r3} "
+        f"(pause mode {pause}), TITO {s.tito_model}, matcher {s.message_matcher}"
     )
 
 
@@ -165,7 +175,7 @@ def rollout_line(plan: Plan) -> str:
     """How rollouts reach the engines (sglang_client/engine_pool.py): straight to an engine, never through the router
     (it drops the R3 request fields)."""
     if plan.session:
-        return f"agentic episodes through the session server on :{plan.session.launch.port}"
+        return f"agentic episodes through the session server on :{plan.session.launch.port_label}"
     return f"single-turn, {pinned(plan, 'prompt group')}, samples as /generate"
 
 

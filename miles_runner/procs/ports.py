@@ -8,18 +8,19 @@ live, and one process never hands out the same port twice.
 """
 
 import functools
-import os
 import random
 import socket
 from collections.abc import Collection
 from pathlib import Path
 
+from miles_runner.procs.listeners import describe_holders, tcp_sockets
+
 LOOPBACK = "127.0.0.1"
+ANY_ADDRESS = "0.0.0.0"  # a port free here is free on every address of the host
 # The lowest port picked: above Ray's default worker ports (10002-19999, which Ray refuses to see any of its own
 # components on: a GCS port picked there fails `ray start`) and the registered services of most hosts.
 LISTEN_PORTS_FROM = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 ATTEMPTS = 200
 
 _pick = random.SystemRandom()  # not the `random` module's generator: runs seed it, so two runs would pick alike
@@ -92,40 +93,8 @@ def address_answers(address: str, timeout_s: float = 1.0) -> bool:
 
 
 def port_holders(port: int) -> list[str]:
-    """Who holds TCP `port` on this host: "pid N (command)" for each process with a socket bound to it, read from
-    /proc (Linux; none where it cannot be read). For error messages only: it looks at every process's open files."""
-    sockets = _sockets_on(port)
-    holders = []
-    for proc in Path("/proc").iterdir() if sockets else ():
-        if proc.name.isdigit() and _holds_any(proc, sockets):
-            holders.append(f"pid {proc.name} ({_command_line(proc)})")
-    return holders
-
-
-def _sockets_on(port: int) -> set[str]:
-    """The `socket:[inode]` links of the TCP sockets bound to `port` (a TIME_WAIT entry has no inode, no owner)."""
-    found = set()
-    for table in TCP_TABLES:
-        try:
-            rows = table.read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for fields in map(str.split, rows):  # sl, local_address (hex ip:port), rem_address, st, ..., inode (10th)
-            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
-                found.add(f"socket:[{fields[9]}]")
-    return found
-
-
-def _holds_any(proc: Path, sockets: set[str]) -> bool:
-    try:
-        return any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir())
-    except OSError:  # gone meanwhile, or not ours to look at
-        return False
-
-
-def _command_line(proc: Path, limit: int = 160) -> str:
-    try:
-        text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "?"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """Who holds TCP `port` on this host: "pid N (command)" for each process with a socket bound to it, "another
+    process (user ...)" for a socket whose holder this user cannot inspect; read from /proc (Linux; none where it
+    cannot be read). For error messages only: it looks at every process's open files."""
+    links = {s.link: s.uid for s in tcp_sockets() or () if s.port == port}
+    return describe_holders(links)

@@ -20,7 +20,7 @@ def plan_engine():
     from miles_runner.embedded_engine.args import parse_args
     from miles_runner.embedded_engine.engine import EmbeddedEngine
 
-    overrides = ["+recipe=tiny_lora_agentic", "session=off", "rollout.n_samples_per_prompt=2"]
+    overrides = ["+recipe=tiny_lora_agentic", "session=off", "rollout.n_samples_per_prompt=2", "engine.base_port=30010"]
     plan = compile_plan(compose([*overrides, "engine.max_n=2", "engine.max_batch_size=3"]))
     argv = plan.engines[0].launch.argv
     assert argv[:3] == ["python", "-m", "miles_runner.embedded_engine"]

@@ -22,6 +22,7 @@ from miles_runner.multi_lora.http_server import GRACEFUL_SHUTDOWN_S
 from miles_runner.multi_lora.settings import TOKEN_ENV, load_settings, parse_args
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import plan_to_dict
+from miles_runner.plan.record import write_ports
 from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess, ProcessStartError
 
@@ -32,10 +33,12 @@ MODULE = "miles_runner.multi_lora.http_server"
 
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run folder holding the saved plan of the tiny multi-LoRA recipe."""
+    """A run folder holding the saved plan of the tiny multi-LoRA recipe, and the ports its engine was started on
+    (the executor records them before the controller starts)."""
     folder = tmp_path_factory.mktemp("run")
     plan = compile_plan(compose(["+recipe=tiny_multi_lora"]))
     (folder / "plan.yaml").write_text(yaml.safe_dump(plan_to_dict(plan), sort_keys=False))
+    write_ports(folder, {"engine0": 30010})
     return folder
 
 

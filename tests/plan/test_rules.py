@@ -37,6 +37,8 @@ class RuleCase:
 
 # Bases: recipes, and small CPU shapes built on the default config (cpu cluster of 2 devices, tiny MoE, fsdp+peft).
 CPU: tuple[str, ...] = ()
+# Fixed ports (the defaults are chosen at start, "auto", and never clash): SGLang's and the router's usual ones.
+FIXED = ("engine.base_port=30010", "session.port=30001", "router.port=30000", "router.metrics_port=30090")
 TINY = ("+recipe=tiny_lora_agentic",)  # session v1, in_place, colocated, one adapter
 TINY_MULTI = ("+recipe=tiny_multi_lora",)  # three adapters, disaggregated 1 + 1 slot
 QWEN05 = ("+recipe=qwen25_05b_lora",)  # megatron + bridge, one GPU, sglang
@@ -452,19 +454,20 @@ CASES = [
     RuleCase(
         "batch-arithmetic", CPU, ("rollout.max_response_len=4096",), ("rollout.max_response_len=1024",), "context"
     ),
-    RuleCase("ports-distinct", TINY, ("session.port=30010",), ("session.port=30110",)),
+    RuleCase("ports-distinct", (*TINY, *FIXED), ("session.port=30010",), ("session.port=30110",)),
     RuleCase(
-        "ports-distinct", (*TINY, "router=sglang"), ("router.port=30001",), ("router.port=30000",), "router-session"
+        "ports-distinct", (*TINY, *FIXED, "router=sglang"), ("router.port=30001",), ("router.port=30000",),
+        "router-session",
     ),
     # glm52's engines of TP 16 have a port per node rank (30010..30013), and meet on engine.dist_init_port.
-    RuleCase("ports-distinct", GLM, ("session.port=30013",), ("session.port=30014",), "node-rank-ports"),
-    RuleCase("ports-distinct", GLM, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
+    RuleCase("ports-distinct", (*GLM, *FIXED), ("session.port=30013",), ("session.port=30014",), "node-rank-ports"),
+    RuleCase("ports-distinct", (*GLM, *FIXED), ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
              "dist-init-port"),
     # engine1 of TWO_DEVICE_TRAINER spans nodes 0 and 1 (2 + 2 devices) though TP 4 fits a node: rank 1 on 30013.
-    RuleCase("ports-distinct", TWO_DEVICE_TRAINER, ("session.port=30013",), ("session.port=30014",),
+    RuleCase("ports-distinct", (*TWO_DEVICE_TRAINER, *FIXED), ("session.port=30013",), ("session.port=30014",),
              "straddling-engine"),
-    RuleCase("ports-distinct", TWO_DEVICE_TRAINER, ("engine.dist_init_port=30001",), ("engine.dist_init_port=30200",),
-             "straddling-engine-dist-init"),  # engine1 meets on 30011 (and 6 more), where engine1 serves
+    RuleCase("ports-distinct", (*TWO_DEVICE_TRAINER, *FIXED), ("engine.dist_init_port=30001",),
+             ("engine.dist_init_port=30200",), "straddling-engine-dist-init"),  # engine1 meets on 30011, serves there
     # ---- settings one backend honours; what this release has not built ----
     RuleCase("full-weight-training-not-built", CPU, FULL_WEIGHTS, ()),
     RuleCase("fully-async-not-built", CPU, FULLY_ASYNC, ASYNC),

@@ -62,7 +62,12 @@ def test_the_plans_session_limits_and_key_reach_the_server(monkeypatch):
     from miles_runner.config.compose import compose
     from miles_runner.plan.compile import compile_plan
 
-    overrides = ["+recipe=tiny_lora_agentic", "session.max_sessions=177", "session.max_age_s=12.5"]
+    overrides = [
+        "+recipe=tiny_lora_agentic",
+        "session.max_sessions=177",
+        "session.max_age_s=12.5",
+        "session.port=30001",
+    ]
     plan = compile_plan(compose([*overrides, "security.api_key_env=SESSION_TEST_KEY"]))
     monkeypatch.setenv("SESSION_TEST_KEY", "k-123")
     config = config_from_args(build_parser().parse_args(plan.session.launch.argv[3:]))

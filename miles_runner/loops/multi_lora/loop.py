@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_runner.executors.controller_service import controller_service
+from miles_runner.executors.controller_service import choose_controller_port, controller_service
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.multi_lora.checkpoints import AdapterCheckpoints
@@ -71,13 +71,16 @@ class MultiLoRALoop:
 
     def run(self) -> list[dict[str, Any]]:
         """Start the deployment and the controller service, train until done; returns the step records."""
-        with self.executor as deployment, controller_service(self.plan, self.run_dir):
-            return asyncio.run(self._train(deployment))
+        with self.executor as deployment:
+            plan = choose_controller_port(deployment.plan, self.run_dir)  # the plan as it runs: its ports chosen
+            with controller_service(plan, self.run_dir):
+                return asyncio.run(self._train(deployment, plan))
 
-    async def _train(self, deployment: Deployment) -> list[dict[str, Any]]:
+    async def _train(self, deployment: Deployment, plan: Plan) -> list[dict[str, Any]]:
         """Build the run's parts, start the producer filling the adapters' buffers, then iterate while an adapter is
         left to load, train or clean up (service mode: for ever); everything is closed after, in reverse order."""
-        plan, m = self.plan, self.settings
+        m = plan.multi_lora
+        assert m is not None  # checked in __init__
         key = deployment.api_key  # the run's key: the engines, the session server and the controller require it
         async with contextlib.AsyncExitStack() as stack:
             trainer = make_multi_lora_trainer(plan, self.run_dir, deployment.remote_ranks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from miles_runner.config.schema import MilesConfig, lookup
+from miles_runner.config.schema import AUTO_PORT, MilesConfig, lookup
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.devices import (
     DIST_INIT_EXTRA_PORTS,
@@ -216,10 +216,13 @@ def fitting_global_batch(samples: int, dp: int) -> int:
 
 @rule("ports-distinct")
 def ports_distinct(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    """Every port the plan binds, counted as compile_plan numbers them: each node rank of each engine, the
-    rendezvous ports of the engines that span nodes, and the named services."""
+    """Every fixed port the plan binds, counted as compile_plan numbers them: each node rank of each engine, the
+    rendezvous ports of the engines that span nodes, and the named services. Ports chosen at start ("auto") are
+    free when chosen, and distinct (procs/ports.py never hands out one twice)."""
     layouts = engine_layouts(cfg, d)
-    rank_ports = [engine_rank_port(cfg, d, i, r) for i, layout in enumerate(layouts) for r in range(len(layout))]
+    rank_ports = []
+    if cfg.engine.base_port != AUTO_PORT:
+        rank_ports = [engine_rank_port(cfg, d, i, r) for i, layout in enumerate(layouts) for r in range(len(layout))]
     spanning = [i for i, layout in enumerate(layouts) if len(layout) > 1]
     dist_init = [engine_dist_init_port(cfg, i) + k for i in spanning for k in range(DIST_INIT_EXTRA_PORTS + 1)]
     services = {
@@ -229,7 +232,7 @@ def ports_distinct(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         "adapters.api_port": cfg.adapters.api_port if d.multi_lora else None,
     }
     claims = [("engine.base_port", rank_ports)]
-    claims += [(key, [port]) for key, port in services.items() if port is not None]
+    claims += [(key, [port]) for key, port in services.items() if isinstance(port, int)]
     claims.append(("engine.dist_init_port", dist_init))  # where node ranks meet (and SGLang's next 6 ports)
     engines = f"engine node ranks use {min(rank_ports)}..{max(rank_ports)}" if rank_ports else "no engine ports"
     seen: dict[int, str] = {}
