@@ -30,10 +30,9 @@ RUNS = (
     " {name: victim, task: guess_number, reward: guess_number}]"
 )
 OVERRIDES = (RUNS, "checkpoint.interval=10", f"algorithm.num_steps={STEPS}")
-# The rise of each adapter's mean reward from the first quarter of its records to the last. Each starts near chance
-# (0.14-0.21) and gained 0.09-0.33 over 18 runs, 8 of them beside two busy loops (a full suite's load), where the
-# rewards rise less steadily: letters gained 0.092 once, from 0.191 (its eighths: 0.19 0.19 0.15 0.35 0.33 0.30
-# 0.33 0.24). An adapter that does not learn: 0 +- 0.04, the noise of two quarters' means.
+# The rise of each adapter's mean reward from the first quarter of its records to the last: each starts near chance,
+# and under a full suite's load the rewards rise less steadily, so the bar sits below the smallest rise a learning
+# adapter shows there and above the noise of two quarters' means for one that does not learn.
 RISE = 0.06
 NEW_TENANT = {"task": "count", "num_step": 2}  # and its own save folder: a new tenant, not a resume
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
