@@ -8,8 +8,9 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# Built tiny models: one cache in the checkout (git-ignored) that every test, run and CI job reuses; an
-# installed miles-run defaults to ~/.cache/miles-runner.
+# Built tiny models (and the SGLang wheel below): the checkout's git-ignored .cache/, which is also where miles-run
+# run from this checkout keeps them by itself (miles_runner/core/paths.py), so every test, run, CI job and the README's
+# .venv/bin/miles-run commands reuse one build. A MILES_CACHE_DIR set in the environment wins in both.
 export MILES_CACHE_DIR ?= $(CURDIR)/.cache
 
 .PHONY: install run plan test test-fast tiny-models bytecode check lint layers sglang-spec bridge-env bridge-test bench bench-peers clean

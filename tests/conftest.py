@@ -1,6 +1,7 @@
 """Test-wide environment: everything stays on loopback and offline, and built tiny models are cached once in
 the checkout (`.cache/`, as `make` sets it) instead of in the user's cache folder."""
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -60,6 +61,22 @@ def pytest_configure(config: pytest.Config) -> None:
         from tests.compiled import MEMO_ENV
 
         os.environ[MEMO_ENV] = config.stash[MEMO_FOLDER] = tempfile.mkdtemp(prefix="miles-compose-memo-")
+    if not hasattr(config, "workerinput"):
+        build_tiny_models(config)
+
+
+def build_tiny_models(config: pytest.Config) -> None:
+    """The tiny models the tests run, built before any test starts (as `make tiny-models` does): a pytest run on a
+    fresh clone would otherwise build one inside the first test that needs it, against that test's timeout, and
+    workers would build it side by side. A no-op once built; skipped for the unit tests alone (they load no model)
+    and in the Megatron-Bridge side venv, whose models the main venv builds."""
+    if "not integration" in (config.option.markexpr or "") or importlib.util.find_spec("hydra") is None:
+        return
+    from miles_runner.models.format_pretrain import ensure_format_pretrained
+    from miles_runner.models.tiny_model import ensure_tiny_model
+
+    ensure_tiny_model("tiny-dense")
+    ensure_format_pretrained("tiny-moe")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

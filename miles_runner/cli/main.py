@@ -30,7 +30,7 @@ setup, srun_args, extra_sbatch, requeue, wait, nodes_timeout_s, python.
 Hydra's own settings: hydra.run.dir=DIR is the run folder itself (a single run); hydra.sweep.dir,
 hydra.sweep.subdir and hydra/launcher=NAME place and start the jobs of --multirun (and of any run with
 hydra/launcher=miles_slurm); hydra.searchpath adds config folders. Any other hydra.* setting is refused. Built
-tiny models are cached in $MILES_CACHE_DIR (default ~/.cache/miles-runner).
+tiny models are cached in $MILES_CACHE_DIR, else a source checkout's .cache/, else ~/.cache/miles-runner.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The one place that knows where miles-runner's files are: shipped config, shipped data, the user's cache.
+"""The one place that knows where miles-runner's files are: shipped config, shipped data, the model cache.
 
 Shipped files are found with `importlib.resources`, so they are the same in a git checkout, an editable install
 and a wheel (`miles_runner/_resources/conf` is a symlink to the repository's `conf/` in a checkout and a copy
-in a wheel). Whatever miles-runner writes (built tiny models) goes to the user's cache folder, never into the
-package: `$MILES_CACHE_DIR` if set, else `$XDG_CACHE_HOME/miles-runner`, else `~/.cache/miles-runner`.
+in a wheel). Whatever miles-runner writes (built tiny models) goes to one cache folder, never into the package:
+`$MILES_CACHE_DIR` if set; else, run from a source checkout (an editable install, as `make` makes), the checkout's
+git-ignored `.cache/`, the folder the Makefile uses too, so `make run` and `.venv/bin/miles-run` build each model once
+and each checkout keeps the models its own code built; else the user's `$XDG_CACHE_HOME/miles-runner`, else
+`~/.cache/miles-runner`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ RESOURCES = "miles_runner._resources"
 CACHE_ENV = "MILES_CACHE_DIR"
 XDG_CACHE_ENV = "XDG_CACHE_HOME"
 CACHE_NAME = "miles-runner"
+CHECKOUT_CACHE = ".cache"  # in a source checkout, beside pyproject.toml (the Makefile's MILES_CACHE_DIR default)
 RECIPE_GROUP = "recipe"  # the config group of `+recipe=NAME`: conf/recipe (a symlink to recipes/)
 
 
@@ -54,11 +58,22 @@ def bundled_data_dir() -> Path:
     return package_dir() / "plugins" / "data"
 
 
+@cache
+def source_checkout() -> Path | None:
+    """The source checkout the package runs from (its folder beside pyproject.toml: an editable install, or the
+    checkout on sys.path), or None for an installed wheel."""
+    root = package_dir().parent
+    return root if (root / "pyproject.toml").is_file() else None
+
+
 def cache_dir() -> Path:
-    """Where miles-runner keeps what it builds: $MILES_CACHE_DIR, else $XDG_CACHE_HOME/miles-runner, else
-    ~/.cache/miles-runner. Read on every call, so a changed environment takes effect."""
+    """Where miles-runner keeps what it builds: $MILES_CACHE_DIR, else a source checkout's .cache/, else
+    $XDG_CACHE_HOME/miles-runner, else ~/.cache/miles-runner. Read on every call, so a changed environment takes
+    effect."""
     if own := os.environ.get(CACHE_ENV):
         return Path(own).expanduser().absolute()
+    if checkout := source_checkout():
+        return checkout / CHECKOUT_CACHE
     xdg = os.environ.get(XDG_CACHE_ENV, "")
     base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"  # XDG: relative is invalid
     return base / CACHE_NAME

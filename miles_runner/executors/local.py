@@ -19,6 +19,7 @@ named, and is not restarted (its ranks meet only at start-up).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +43,15 @@ from miles_runner.plan.model_shape import checkpoint_config, describe_mismatches
 from miles_runner.plan.record import write_ports
 from miles_runner.plan.secrets import run_api_key
 from miles_runner.procs.launch import check_ports, launch_process
-from miles_runner.procs.ports import ANY_ADDRESS, LOOPBACK, free_ports, port_is_free
+from miles_runner.procs.listeners import listener_owners
+from miles_runner.procs.ports import ANY_ADDRESS, LOOPBACK, free_ports, port_holders, port_is_free
 from miles_runner.procs.process import ManagedProcess, ProcessGroup
 from miles_runner.sglang_client.router import ensure_worker, wait_for_workers
 
 logger = logging.getLogger(__name__)
+
+# How long a dead engine's own processes may keep its port after it was stopped: as long as a stop waits for them.
+PORT_RELEASE_TIMEOUT_S = 10.0
 
 
 class EngineLostError(ComponentFailure):
@@ -301,14 +306,28 @@ class LocalExecutor(Executor):
             )
         self.restarts[index] += 1
         logger.warning("engine%d exited with code %s; restart %d of %d", index, code, self.restarts[index], limit)
+        group = dead.pid  # the dead engine led its own process group
         dead.stop()  # reaps it, and whatever of its process group is left
-        if not port_is_free(engine.launch.host, engine.launch.port):
-            raise EngineLostError(
-                f"engine{index}",
-                f"died, but its port {engine.launch.port} is still held",
-                log_path=str(dead.log_path),
-                log_tail=dead.log_tail(),
-            )
+        _wait_port_released(dead, f"engine{index}", engine.launch, group)
         self.engines[index] = self.group.replace(dead, self.engine_process(engine))
         if self.plan.router:
             ensure_worker(self.plan.router.launch.url, engine.launch.url, self.startup_timeout_s, api_key=self.api_key)
+
+
+def _wait_port_released(dead: ManagedProcess, name: str, launch: Launch, group: int | None) -> None:
+    """Wait while only the dead server's own processes hold its port: stop() takes a process of the group for gone
+    once its main thread has exited, while its other threads may still hold its files open. A listener of anyone
+    else took the port meanwhile and will not let go: EngineLostError names it at once."""
+    host, port = launch.host, launch.port
+    deadline = time.monotonic() + PORT_RELEASE_TIMEOUT_S
+    while not port_is_free(host, port):
+        owners = listener_owners(host, port, group) if group else None
+        if (owners and owners.others) or time.monotonic() >= deadline:
+            holders = list(owners.others) if owners and owners.others else port_holders(port)
+            raise EngineLostError(
+                name,
+                f"died, but its port {port} is still held" + (f" by {'; '.join(holders)}" if holders else ""),
+                log_path=str(dead.log_path),
+                log_tail=dead.log_tail(),
+            )
+        time.sleep(0.05)

@@ -15,8 +15,8 @@ can steer the model within a few RL steps.
 Public API (other components rely on it):
 - ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1) -> Path`` writes one folder.
 - ``ensure_tiny_model(name="tiny-moe", cache_dir=None, seed=0) -> Path`` returns the cached folder
-  ``<cache>/models/<name>-seed<seed>`` (``miles_runner.core.paths.cache_dir``: $MILES_CACHE_DIR, else the
-  user's cache folder), building it when missing or incomplete. Builds go to a temp
+  ``<cache>/models/<name>-seed<seed>`` (``miles_runner.core.paths.cache_dir``: $MILES_CACHE_DIR, else a
+  source checkout's .cache/, else the user's cache folder), building it when missing or incomplete. Builds go to a temp
   folder that is renamed into place, so a crash never leaves a half model.
 - CLI: ``python -m miles_runner.models.tiny_model DIR [--dense] [--seed N]``.
 """

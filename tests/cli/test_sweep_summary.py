@@ -22,7 +22,6 @@ from miles_runner.cli.sweep_summary import (
     render_summary,
     summarize_sweep,
 )
-from miles_runner.procs.ports import free_port_block
 from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, read_records, write_result
 from tests.drivers import runner_command
 from tests.run_files import files_named
@@ -139,7 +138,6 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
     """Job 0's model folder has no model, which only the engine finds out when it starts; job 1 trains."""
     empty_model = tmp_path / "empty-model"
     empty_model.mkdir()
-    port = free_port_block(2)
     done = subprocess.run(
         runner_command(
             "miles_runner.cli.main",
@@ -149,7 +147,6 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
             "rollout.rollout_batch_size=2",
             "rollout.n_samples_per_prompt=2",
             "rollout.max_response_len=4",
-            f"engine.base_port={port}",
             f"run.output_root={tmp_path / 'out'}",
             "logger=none",
             f"model.path={empty_model},tiny:tiny-moe:format",
@@ -205,7 +202,6 @@ def test_a_plan_only_sweep_prints_no_summary(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ctrl_c_stops_the_whole_sweep_and_still_summarises_it(tmp_path):
-    port = free_port_block(2)
     proc = subprocess.Popen(
         runner_command(
             "miles_runner.cli.main",
@@ -215,7 +211,6 @@ def test_ctrl_c_stops_the_whole_sweep_and_still_summarises_it(tmp_path):
             "rollout.rollout_batch_size=2",
             "rollout.n_samples_per_prompt=2",
             "rollout.max_response_len=4",
-            f"engine.base_port={port}",
             f"run.output_root={tmp_path / 'out'}",
             "logger=none",
             "optimizer.lr=0.1,0.2",

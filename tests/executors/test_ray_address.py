@@ -2,14 +2,12 @@
 for the test, as plan node 0: it offers miles_node_0) instead of starting its own, runs the plan's servers on it,
 and leaves it running after the run. A cluster that does not say which node is plan node 0 is refused at once.
 
-Order matters: this file must run before any test that starts a local Ray in the same process (ray.init() without an
-address, as test_run_key.py's Ray test does). Ray turns token authentication on for such a Ray (it sets RAY_AUTH_MODE
-and re-reads its config), and the process's Ray core stays in token mode after that Ray's shutdown: a driver that
-then joins this head (auth off) refuses the head's GCS calls ("Missing authorization header in request!" in its log),
-and the GCS takes it for dead and destroys its first actor ("Worker 01000000ff... failed, destroying actor child").
-Reproduced with `pytest -n 1 --dist loadfile --no-loadscope-reorder tests/executors/test_run_key.py
-tests/executors/test_ray_address.py`. The suite's order (tests/conftest.py: the files of slow tests in collection
-order) hands this file out before those."""
+The head uses the test process's Ray authentication mode. A local Ray started in the process earlier (ray.init()
+without an address, as test_run_key.py's Ray test does) turns token authentication on (it sets RAY_AUTH_MODE and
+re-reads its config), and the process's Ray core stays in token mode after that Ray's shutdown: a driver in token
+mode that joins a head with auth off refuses the head's GCS calls ("Missing authorization header in request!" in its
+log), and the GCS takes it for dead and destroys its first actor. A head in token mode reads the same token
+(~/.ray/auth_token, which that local Ray wrote), so this file passes after those tests as well as before them."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ from miles_runner.core.cluster_nodes import node_resource
 from miles_runner.executors.ray import ClusterNodesError, RayExecutor
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
-from miles_runner.procs.ports import free_port, port_is_free
+from miles_runner.procs.ports import port_is_free
 from miles_runner.procs.process import ManagedProcess
 
 pytestmark = pytest.mark.slow
@@ -42,10 +40,13 @@ MARKER = "existing_cluster"  # a custom resource only the test's own head node h
 @pytest.fixture(params=[True], ids=["node0"])
 def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
     """A Ray head node on 127.0.0.1 (its whole process group is stopped afterwards), offering miles_node_0 unless
-    the test asks otherwise (indirect parametrisation); yields its address."""
+    the test asks otherwise (indirect parametrisation); yields its address once it is up.
+
+    Each of the head's ports is 0, so the kernel picks it as the component binds it. A port picked here would stay
+    free for any process on the host until `ray start` binds it, seconds later: another test's server that took the
+    GCS port in between left the GCS unable to start, while the port, held by that server, looked like the head's."""
     resources = {MARKER: 1, **({node_resource(0): 1000} if request.param else {})}
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
-    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     argv = [
         str(Path(sys.executable).with_name("ray")),
@@ -53,26 +54,24 @@ def ray_head(tmp_path, request) -> Iterator[tuple[str, ManagedProcess]]:
         "--head",
         "--block",
         "--node-ip-address=127.0.0.1",
-        f"--port={port}",
+        "--port=0",
         "--num-cpus=1",
         f"--resources={json.dumps(resources)}",
         "--include-dashboard=false",
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
+        "--dashboard-agent-listen-port=0",  # the one agent port with a fixed default (52365); the others pick at bind
     ]
-    # Token auth off: this head is on loopback, and a driver given an explicit address sends no token.
-    env = {"RAY_AUTH_MODE": "disabled"}
+    # The driver's mode: off (a driver given an explicit address sends no token) unless the process is in token mode.
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     head = ManagedProcess("ray-head", argv, env=env, log_path=tmp_path / "ray_head.log").start()
+    address_file = Path(temp_dir) / "ray_current_cluster"  # the GCS address, written by `ray start` once the head is up
     try:
         deadline = time.monotonic() + 60
-        while port_is_free("127.0.0.1", port):
+        while not (address := address_file.read_text().strip() if address_file.is_file() else ""):
             assert head.alive and time.monotonic() < deadline, head.log_tail()
             time.sleep(0.2)
-        yield f"127.0.0.1:{port}", head
+        yield address, head
     finally:
         # `ray start --block` is slow to end after SIGTERM (its GCS shuts down gracefully): the test is over,
         # so what is left after 2 s is killed.
@@ -92,7 +91,6 @@ def plan_on(address: str) -> Plan:
                 "session=off",
                 "executor=ray",
                 f"executor.ray_address={address}",
-                f"engine.base_port={free_port()}",
             ]
         )
     )
@@ -107,9 +105,10 @@ def test_the_ray_executor_runs_the_plan_on_the_cluster_at_ray_address_and_leaves
     with RayExecutor(plan, tmp_path, startup_timeout_s=180) as deployment:
         assert ray.cluster_resources().get(MARKER) == 1, "the executor is not on the cluster at ray_address"
         assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
+        engine_port = deployment.plan.engines[0].launch.port
     assert not ray.is_initialized()  # the driver left the cluster...
     assert head.alive  # ...which it did not start, and does not stop
-    assert port_is_free("127.0.0.1", plan.engines[0].launch.port), "the plan's engine outlived the run"
+    assert port_is_free("127.0.0.1", engine_port), "the plan's engine outlived the run"
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ import pytest
 from miles_runner.config.compose import compose
 from miles_runner.executors.ray import RayExecutor
 from miles_runner.plan.compile import compile_plan
-from miles_runner.procs.ports import free_port, port_is_free
+from miles_runner.procs.ports import port_is_free
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +34,13 @@ def restart_when_reaped(executor: RayExecutor, timeout_s: float = 30) -> list[in
 @pytest.mark.timeout(300)
 def test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_process(tmp_path):
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0", "Ray must stay on loopback in tests"
-    plan = compile_plan(
-        compose(
-            [
-                "+recipe=tiny_lora_agentic",
-                "executor=ray",
-                f"engine.base_port={free_port()}",
-                f"session.port={free_port()}",
-                "executor.engine_restarts=1",
-            ]
-        )
-    )
+    # Ports chosen at start (the default), by the node agent just before each server binds: a port picked here stays
+    # free for any process on the host through Ray's start and the engine's, long enough on a loaded machine for a
+    # server of another test to take it.
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic", "executor=ray", "executor.engine_restarts=1"]))
     executor = RayExecutor(plan, tmp_path, startup_timeout_s=180)
     with executor as deployment:
-        pids = executor.pids
+        pids, engine_port = executor.pids, deployment.plan.engines[0].launch.port
         assert len(pids) == 2
         assert httpx.get(deployment.rollout_url + "/health", timeout=10).status_code == 200
         assert httpx.get(deployment.session_url + "/health", timeout=10).status_code == 200
@@ -58,4 +51,4 @@ def test_ray_executor_serves_the_plan_restarts_a_dead_engine_and_stops_every_pro
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids)
-    assert port_is_free("127.0.0.1", plan.engines[0].launch.port), "the restarted engine outlived the run"
+    assert port_is_free("127.0.0.1", engine_port), "the restarted engine outlived the run"

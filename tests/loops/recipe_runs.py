@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER
-from miles_runner.procs.ports import free_port, free_port_block
 from tests.drivers import runner_command
 from tests.run_files import files_named
 
@@ -23,14 +22,12 @@ LEARNING_RUN = f"algorithm.num_steps={LEARNING_STEPS}"
 
 
 def recipe_command(root: Path, *overrides: str, recipe: str = "tiny_lora_agentic") -> list[str]:
-    """miles-run's command line for the recipe's run under `root`, on free ports (up to two engines)."""
+    """miles-run's command line for the recipe's run under `root` (its servers choose their ports at start)."""
     return runner_command(
         "miles_runner.cli.main",
         f"+recipe={recipe}",
         f"run.output_root={root}",
         "logger=none",
-        f"engine.base_port={free_port_block(2)}",
-        f"session.port={free_port()}",
         *overrides,
     )
 
@@ -55,10 +52,10 @@ def miles_run(root: Path, *overrides: str, fault: bool, recipe: str = "tiny_lora
 
 def recorded_run(root: Path, base: Sequence[str], *overrides: str) -> Path:
     """The folder of a run recorded under `root` (`miles-run --plan`: plan.yaml, nothing started) from the
-    overrides `base` + `overrides`, on a free engine port; a test then runs it in-process."""
+    overrides `base` + `overrides`; a test then runs it in-process."""
     from miles_runner.cli.main import single_run
 
-    args = [*base, f"engine.base_port={free_port()}", f"run.output_root={root}", *overrides]
+    args = [*base, f"run.output_root={root}", *overrides]
     assert single_run(args, plan_only=True, argv=args) == 0
     [plan] = root.rglob("plan.yaml")
     return plan.parent

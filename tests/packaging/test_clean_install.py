@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miles_runner.procs.ports import free_port_block
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +176,6 @@ def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records
     # tiny-moe, not the recipe's format pre-trained one: the same build path (ensure_format_pretrained builds it
     # first), without 150 pre-training steps.
     cache = tmp_path / "cache"
-    port = free_port_block(2)
     install.run(
         "+recipe=tiny_lora_agentic",
         "model.path=tiny:tiny-moe",
@@ -187,8 +184,6 @@ def test_a_short_real_run_on_a_fresh_machine_builds_its_model_trains_and_records
         "rollout.n_samples_per_prompt=2",
         "checkpoint.interval=0",
         "logger=none",
-        f"engine.base_port={port}",
-        f"session.port={port + 1}",
         "hydra.run.dir=first_run",
         timeout=300,
         MILES_CACHE_DIR=str(cache),

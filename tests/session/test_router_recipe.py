@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from miles_runner.plan.record import read_plan
-from miles_runner.procs.ports import free_port, free_port_block
 from tests.drivers import runner_command
 from tests.loops.recipe_runs import LEARNING_RUN, LEARNING_STEPS, MARGIN, gain
 
@@ -32,10 +31,6 @@ def test_the_router_recipe_runs_learns_and_spreads_sessions_over_both_engines(tm
         f"run.output_root={tmp_path}",
         "logger=none",
         LEARNING_RUN,
-        f"engine.base_port={free_port_block(ENGINES)}",
-        f"session.port={free_port()}",
-        f"router.port={free_port()}",
-        f"router.metrics_port={free_port()}",
     ]
     done = subprocess.run(
         runner_command("miles_runner.cli.main", *args),

@@ -2,7 +2,8 @@
 recipe, a requeued job that resumes from its last checkpoint, and the wait for a Ray node that never joins.
 
 The commands are the README's ("Running on a Slurm cluster"). Each job asks for both cores of the 2-core node
-(cpus_per_task=2), so Slurm runs the sweep's jobs one after the other and their plan's ports never meet.
+(cpus_per_task=2), so Slurm runs the sweep's jobs one after the other; each job's servers choose their ports on the
+node when it starts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from miles_runner.core.faults import EXPECT_MISSING_NODE
-from miles_runner.procs.ports import free_port_block
 from miles_runner.slurm.jobs import job_states
 from miles_runner.slurm.submit import read_manifest
 from miles_runner.tracking.job_result import COMPLETED, FAILED, read_result
@@ -37,11 +37,6 @@ def miles_run(*args: str, env: dict[str, str] | None = None, timeout: float = 12
     )
     assert done.returncode == 0, f"miles-run {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
-
-
-def ports() -> list[str]:
-    base = free_port_block(2)
-    return [f"engine.base_port={base}", f"session.port={base + 1}"]
 
 
 def steps_of(job_dir: Path) -> list[int]:
@@ -108,7 +103,6 @@ def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(s
             "-m",
             *TINY,
             *LAUNCHER,
-            *ports(),
             "algorithm.num_steps=3",
             "run.seed=1,2",
             "hydra.launcher.wait=true",
@@ -149,7 +143,6 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint(slurm_cluster, tmp_path
     miles_run(
         *TINY,
         *LAUNCHER,
-        *ports(),
         f"algorithm.num_steps={steps}",
         "checkpoint.interval=1",
         f"hydra.sweep.dir={sweep_dir}",
@@ -193,7 +186,6 @@ def test_a_node_that_never_joins_fails_the_job_naming_it(slurm_cluster, tmp_path
     miles_run(
         *TINY,
         *LAUNCHER,
-        *ports(),
         "algorithm.num_steps=1",
         "hydra.launcher.nodes_timeout_s=10",
         f"hydra.sweep.dir={sweep_dir}",
