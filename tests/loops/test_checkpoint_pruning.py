@@ -49,7 +49,8 @@ def test_the_single_adapter_loop_keeps_the_last_keep_last_checkpoints(tmp_path, 
 
 @pytest.mark.parametrize("keep_last", [1, 3])
 async def test_each_multi_lora_adapter_keeps_its_last_keep_last_checkpoints(tmp_path, model_path, keep_last):
-    plan = compile_plan(compose(["+recipe=tiny_multi_lora", TINY, f"checkpoint.keep_last={keep_last}"]))
+    overrides = ["+recipe=tiny_multi_lora", TINY, f"checkpoint.keep_last={keep_last}", "adapters.api_port=8068"]
+    plan = compile_plan(compose(overrides))  # a controller URL to name (no request is sent)
     trainer = PeftMultiLoRATrainer(model_path, MultiLoRASettings.from_plan(plan))
     trainer.load_adapter(0, plan.adapters[0])
     async with rollout_engines(plan, []) as workers, ControllerClient(plan.multi_lora.launch.url) as controller:

@@ -55,15 +55,15 @@ class ObservedLoop(SingleAdapterLoop):
 
     async def _rollout(self, parts, prompts):
         rolled = await super()._rollout(parts, prompts)  # the sync schedule: one batch per step, in order
-        self.versions_at[self.next_step] = await engine_versions(self.plan)
+        self.versions_at[self.next_step] = await engine_versions(parts.ctx.plan)  # as it runs: its ports chosen
         self.next_step += 1
         return rolled
 
     async def _steps(self, parts, start):
         self.next_step = start
         await super()._steps(parts, start)
-        self.final_versions = await engine_versions(self.plan)
-        self.final_probe = await greedy_probe(self.plan)
+        self.final_versions = await engine_versions(parts.ctx.plan)
+        self.final_probe = await greedy_probe(parts.ctx.plan)
 
     def _checkpoint(self, trainer, stream, done, *, taken_ahead):
         super()._checkpoint(trainer, stream, done, taken_ahead=taken_ahead)

@@ -27,7 +27,7 @@ from miles_runner.loops.checkpoint import checkpoint_dir, completed_steps, load_
 from miles_runner.loops.engine_restarts import ENGINE_EVENTS_FILE
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
-from miles_runner.plan.record import read_plan
+from miles_runner.plan.record import read_plan, read_ports
 from miles_runner.procs.ports import port_is_free
 from miles_runner.sglang_client.client import EngineClient
 from tests.loops.recipe_runs import recorded_run, records
@@ -71,12 +71,12 @@ class KillEngineMidRollout(SingleAdapterLoop):
         index, self.rollouts = self.rollouts, self.rollouts + 1
         rollout = asyncio.create_task(super()._rollout(parts, prompts))
         if index == KILLED_ROLLOUT:
-            await self._kill_when_running(rollout)
+            await self._kill_when_running(rollout, parts.ctx.plan.engines[0].launch.url)
         return await rollout
 
-    async def _kill_when_running(self, rollout: asyncio.Task) -> None:
+    async def _kill_when_running(self, rollout: asyncio.Task, engine_url: str) -> None:
         engine = self.executor.engines[0]
-        async with EngineClient(self.plan.engines[0].launch.url) as client:
+        async with EngineClient(engine_url) as client:
             while not rollout.done() and not (await client.server_info())["internal_states"][0]["num_running_reqs"]:
                 await asyncio.sleep(0.005)
         assert not rollout.done(), "the rollout ended before the engine was seen running it"
@@ -126,7 +126,7 @@ def test_without_restarts_the_run_fails_naming_the_engine_stops_everything_and_k
 
     assert loop.killed and "-9" in str(failure.value), failure.value
     assert loop.pids and all(gone(pid) for pid in loop.pids)
-    assert port_is_free("127.0.0.1", plan.engines[0].launch.port)
+    assert port_is_free("127.0.0.1", read_ports(run_dir)["engine0"])  # the port it was started on
     assert completed_steps(run_dir)[-1] == KILLED_ROLLOUT
     assert checkpoint_bytes(run_dir) == loop.checkpoint_before
     state, meta = load_latest(run_dir)

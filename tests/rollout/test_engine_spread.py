@@ -168,7 +168,7 @@ def session_served_by(view: dict) -> set[str]:
 
 
 def test_the_plans_session_server_is_given_every_engine_when_there_is_no_router():
-    plan = compile_plan(compose(["+recipe=tiny_lora_agentic_router", "router=none"]))
+    plan = compile_plan(compose(["+recipe=tiny_lora_agentic_router", "router=none", "session.port=30001"]))
     config = config_from_args(build_parser().parse_args(plan.session.launch.argv[3:]))
     assert config.engine_urls == tuple(engine.launch.url for engine in plan.engines) and len(config.engine_urls) == 2
     assert not config.behind_router

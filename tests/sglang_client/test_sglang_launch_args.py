@@ -64,8 +64,8 @@ def but_place(argv: list[str]) -> list[str]:
 
 
 def test_an_engine_wider_than_a_node_runs_sglangs_command_once_per_node_with_its_node_rank(sglang_flags):
-    # glm52: 4 nodes x 8 GPUs, engines of TP 16: engine 0 on nodes 0-1, engine 1 on nodes 2-3.
-    plan = compile_design(compose(["+recipe=glm52_lora_agentic"]))
+    # glm52: 4 nodes x 8 GPUs, engines of TP 16: engine 0 on nodes 0-1, engine 1 on nodes 2-3; fixed ports, numbered.
+    plan = compile_design(compose(["+recipe=glm52_lora_agentic", "engine.base_port=30010"]))
     assert [(e.nodes, [r.node for r in e.node_ranks]) for e in plan.engines] == [([0, 1], [1]), ([2, 3], [3])]
     for e in plan.engines:
         launches = [e.launch, *(r.launch for r in e.node_ranks)]
