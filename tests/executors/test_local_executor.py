@@ -38,12 +38,9 @@ def wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
     return alive
 
 
-def tiny_plan(*extra: str):
-    ports = [
-        f"engine.base_port={free_port_block(2)}",
-        f"router.port={free_port()}",
-        f"router.metrics_port={free_port()}",
-    ]
+def tiny_plan(*extra: str, pinned: bool = False):
+    """The tiny plan, its ports chosen at start (`auto`); `pinned`: fixed free ports, for a test that holds one."""
+    ports = [f"engine.base_port={free_port_block(2)}", f"router.port={free_port()}"] if pinned else []
     return compile_plan(compose(["+recipe=tiny_lora_agentic", "session=off", *ports, *extra]))
 
 
@@ -62,7 +59,7 @@ def test_engines_and_router_start_healthy_and_all_stop(tmp_path):
 
 
 def test_busy_port_fails_before_anything_starts_naming_the_process_that_holds_it(tmp_path):
-    plan = tiny_plan()
+    plan = tiny_plan(pinned=True)
     import socket
 
     with socket.socket() as blocker:
@@ -76,7 +73,7 @@ def test_busy_port_fails_before_anything_starts_naming_the_process_that_holds_it
 
 @pytest.mark.timeout(240)
 def test_a_component_failing_to_start_stops_the_ones_already_running(tmp_path):
-    plan = tiny_plan("session=v1", f"session.port={free_port()}")
+    plan = tiny_plan("session=v1")
     # Injected fault: a session server that exits at once instead of serving.
     broken = dataclasses.replace(plan.session.launch, argv=["python", "-c", "import sys; sys.exit(3)"])
     plan = dataclasses.replace(plan, session=dataclasses.replace(plan.session, launch=broken))
@@ -86,7 +83,7 @@ def test_a_component_failing_to_start_stops_the_ones_already_running(tmp_path):
     engine_log = (tmp_path / "logs" / "engine0.log").read_text()
     assert "miles_runner.embedded_engine" in engine_log
     assert executor.group.processes == ()
-    assert not port_in_use(plan.engines[0].launch.port)
+    assert not port_in_use(executor.ports["engine0"])
 
 
 def port_in_use(port: int) -> bool:

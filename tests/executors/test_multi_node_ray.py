@@ -31,10 +31,10 @@ from miles_runner.core.errors import ComponentFailure
 from miles_runner.executors.ray import ClusterNodesError, NodeLostError, RayExecutor
 from miles_runner.loops.run import run_plan
 from miles_runner.plan.compile import compile_plan
-from miles_runner.plan.model import Launch, Plan, server_launches
-from miles_runner.plan.record import write_run_record
-from miles_runner.procs.ports import free_port, free_port_block, port_is_free
+from miles_runner.plan.model import Launch, Plan, plan_with_ports, server_launches
+from miles_runner.plan.record import read_ports, write_run_record
 from miles_runner.procs.ports import free_ports as distinct_ports
+from miles_runner.procs.ports import port_is_free
 from miles_runner.sglang_client.router import list_workers
 
 pytestmark = pytest.mark.slow
@@ -56,17 +56,9 @@ TWO_NODES = ["cluster.nodes=2", "cluster.cpu_devices_per_node=1", "executor=ray"
 ONE_NODE = ["cluster.nodes=1", "cluster.cpu_devices_per_node=2", "topology.actor_num_gpus_per_node=2"]
 
 
-def free_ports() -> list[str]:
-    return [
-        f"engine.base_port={free_port_block(2)}",
-        f"session.port={free_port()}",
-        f"router.port={free_port()}",
-        f"router.metrics_port={free_port()}",
-    ]
-
-
 def plan_of(*overrides: str) -> Plan:
-    return compile_plan(compose([*SHAPE, *free_ports(), *overrides]))
+    """The plan with its ports left to the executor (`auto`): each node's agent picks its servers' ports."""
+    return compile_plan(compose([*SHAPE, *overrides]))
 
 
 @contextmanager
@@ -158,6 +150,7 @@ def alive(pid: int) -> bool:
 
 def nothing_left(plan: Plan, run_dir: Path, also: Sequence[int] = (), timeout_s: float = 30) -> None:
     """No process of the run (nor the pids in `also`) is left, and none of its server ports is held."""
+    plan = plan_with_ports(plan, read_ports(run_dir))  # the ports chosen at start
     deadline = time.monotonic() + timeout_s
     while (left := run_processes(plan, run_dir) + [p for p in also if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -185,9 +178,9 @@ def test_each_node_agent_starts_its_nodes_servers_on_its_node_and_a_killed_agent
         for k, pids in enumerate(started):  # ...and started exactly its node's servers, as its own children
             assert all(parent_pid(pid) == agent_pids[k] for pid in pids.values()), (k, pids, agent_pids)
         # The addresses are the nodes' own (all 127.0.0.1 here), filled into the router's and session's flags.
-        assert deployment.engine_urls == [f"http://127.0.0.1:{e.launch.port}" for e in plan.engines]
+        assert deployment.engine_urls == [f"http://127.0.0.1:{e.launch.port}" for e in deployment.plan.engines]
         assert deployment.trainer_address == agents[0].address  # where node 1's engine reaches the trainer
-        assert sorted(asyncio.run(list_workers(deployment.rollout_url))) == deployment.engine_urls
+        assert sorted(asyncio.run(list_workers(deployment.rollout_url))) == sorted(deployment.engine_urls)
         assert httpx.get(deployment.session_url + "/health", timeout=10, trust_env=False).status_code == 200
         # A trainer rank placed on node 1 is started by node 1's agent.
         rank = deployment.remote_ranks.start_rank("trainer1", 1, sleeper())
