@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # it in the run folder), so that runs, sweep points and Slurm jobs sharing a machine never meet on a port.
 AUTO_PORT: Final = "auto"
 Port = int | Literal["auto"]
+OffloadLevel = Literal["kv_cache", "weight"]  # miles' --offload-rollout-level values
 
 # Keys that were renamed, old spelling -> new: refused with a did-you-mean naming the new key (one name per concept:
 # a config key, the plan field it sets and the code that reads it share it).
@@ -88,6 +89,8 @@ class TopologyConfig:
     rollout_num_gpus: int = 0  # disaggregated; 0: every device the trainer does not use
     offload_train: bool | None = None  # None: derived (on when colocated)
     offload_rollout: bool | None = None
+    # What the engines give back after each rollout when offload_rollout is on (their CUDA graphs always).
+    offload_rollout_level: list[OffloadLevel] = field(default_factory=lambda: ["kv_cache", "weight"])
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ plan/rules/engine_build.py refuse, on a stock plan, every setting that would use
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SGLANG_VERSION = "0.5.23"
@@ -21,6 +22,21 @@ ENGINE_BUILDS = (STOCK, MILES_FORK)
 # SGLang's _SAMPLING_EPS: a temperature in [0, eps) samples greedily, and SGLang then reports the logprobs of
 # temperature 1.0 (SamplingParams.__post_init__ sets temperature 1.0 and top_k 1), which the trainer must match.
 GREEDY_TEMPERATURE_BELOW = 1e-6
+
+
+# The memory tags of release/resume_memory_occupation (sglang/srt/constants.py); a body without tags means all.
+KV_CACHE_TAG, WEIGHTS_TAG, CUDA_GRAPH_TAG = "kv_cache", "weights", "cuda_graph"
+MEMORY_TAGS = (KV_CACHE_TAG, WEIGHTS_TAG, CUDA_GRAPH_TAG)
+
+
+def offload_tags(levels: Sequence[str]) -> list[str]:
+    """What miles' train.py releases after each rollout: the CUDA graphs always, the KV cache and the weights where
+    --offload-rollout-level names `kv_cache` and `weight`."""
+    return [
+        CUDA_GRAPH_TAG,
+        *([KV_CACHE_TAG] if "kv_cache" in levels else []),
+        *([WEIGHTS_TAG] if "weight" in levels else []),
+    ]
 
 
 def logprob_temperature(temperature: float) -> float:

@@ -39,6 +39,8 @@ from miles_runner.embedded_engine.protocol import (
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -246,6 +248,17 @@ def _add_control_routes(app: FastAPI, engine: EmbeddedEngine) -> None:
     async def continue_generation(_body: ContinueGenerationReqInput):
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    # SGLang takes both verbs and a required body, and answers null (memory_occupation.py).
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"], responses=docs.MEMORY)
+    @admin_optional
+    async def release_memory_occupation(body: ReleaseMemoryOccupationReqInput) -> None:
+        await engine.release_memory_occupation(body.tags)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"], responses=docs.MEMORY)
+    @admin_optional
+    async def resume_memory_occupation(body: ResumeMemoryOccupationReqInput) -> None:
+        await engine.resume_memory_occupation(body.tags)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], responses=docs.FLUSH, response_class=PlainTextResponse)
     @admin_optional

@@ -52,6 +52,8 @@ class ServerArgs:
     enable_return_routed_experts: bool = False
     enable_cache_report: bool = False
     disable_radix_cache: bool = False  # no prefix cache: every request prefills its whole prompt
+    enable_memory_saver: bool = False  # release_memory_occupation gives memory back (memory_occupation.py)
+    enable_weights_cpu_backup: bool = False  # released weights are kept to restore from, not reloaded
     dist_timeout: int | None = None  # seconds; bounds weight-update group joins and broadcasts
     engine_build: str = MILES_FORK  # stock: serve as stock SGLang, without the fork-only features
     max_n: int = DEFAULT_MAX_N
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--dist-timeout", type=int)
     # Not an SGLang flag: which SGLang build to serve as (core.sglang_protocol). The fork's features are served
     # only as miles_fork; as stock, the fork's route is a 404 and its fields are dropped, as stock SGLang does.

@@ -89,6 +89,8 @@ class EmbeddedEngine:
             max_loras_per_batch=args.max_loras_per_batch,
             weight_version=args.weight_version,
             prefix_cache=None if args.disable_radix_cache else PrefixCache(),
+            memory_saver=args.enable_memory_saver,
+            weights_cpu_backup=args.enable_weights_cpu_backup,
         )
         self._inflight: Counter[str] = Counter()  # item rids and request (parent) rids
         self._gated: set[str] = set()  # item rids waiting at the pause gate (not yet with the scheduler)
@@ -364,6 +366,12 @@ class EmbeddedEngine:
     async def flush_cache(self) -> bool:
         """True when the prefix cache was dropped; refused while requests hold or await KV."""
         return await self.scheduler.call(self.scheduler.flush_prefix_cache)
+
+    async def release_memory_occupation(self, tags: list[str] | None) -> None:
+        await self.scheduler.call(lambda: self.scheduler.release_memory(tags))
+
+    async def resume_memory_occupation(self, tags: list[str] | None) -> None:
+        await self.scheduler.call(lambda: self.scheduler.resume_memory(tags, self.args.model_path))
 
     async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput) -> str:
         def load() -> int:

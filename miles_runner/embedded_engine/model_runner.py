@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,11 @@ class RowOutput:
 
 class ModelRunner:
     def __init__(self, model_path: str, *, enable_lora: bool, lora_target_modules: list[str] | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        self.model = _load_model(model_path).eval()
         text_config = self.config.get_text_config()
         self.num_layers: int = text_config.num_hidden_layers
         self.num_kv_heads: int = text_config.num_key_value_heads
@@ -85,6 +84,7 @@ class ModelRunner:
         self._parked: str | None = None
         self._base_generation = 0
         self._adapter_generations: dict[str | None, int] = {}
+        self._released: dict[str, torch.Tensor] | None = None  # base weights released: their backup, or {}
 
     def kv_generation(self, adapter: str | None) -> tuple[int, int]:
         """Changes whenever the weights that a request of `adapter` runs with may have changed."""
@@ -321,6 +321,8 @@ class ModelRunner:
     @torch.inference_mode()
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         """Copy HF-named base weights into the model (LoRA-wrapped modules included); return how many."""
+        if self.weights_released:
+            raise ValueError("the weights are released: resume_memory_occupation (tag weights) before updating them")
         params = dict(self.model.named_parameters())
         resolved = {}
         for name, tensor in named_tensors.items():
@@ -338,12 +340,55 @@ class ModelRunner:
         return len(resolved)
 
     def update_weights_from_disk(self, model_path: str) -> int:
-        from transformers import AutoModelForCausalLM
-
         if not Path(model_path).is_dir():
             raise ValueError(f"model path {model_path} is not a directory")
-        fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        return self.update_weights(dict(fresh.named_parameters()))
+        return self.update_weights(dict(_load_model(model_path).named_parameters()))
+
+    # ----- memory occupation (the weights tag of SGLang's release/resume_memory_occupation) ---------------------
+    @property
+    def weights_released(self) -> bool:
+        return self._released is not None
+
+    def _base_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The base model's parameters (a tied embedding once); the adapters' stay: SGLang's LoRA buffers are
+        outside the memory saver's weights region, so adapters survive a release."""
+        return {name: p for name, p in self.model.named_parameters() if "lora_" not in name}
+
+    def release_weights(self, *, keep_backup: bool) -> int:
+        """Empty every base parameter; return the bytes whose storage is freed. `keep_backup`
+        (--enable-weights-cpu-backup) keeps each tensor to restore from: on a CPU host that backup is the
+        weights' own memory, so nothing is freed."""
+        params = self._base_parameters()
+        self._released = {name: p.data for name, p in params.items()} if keep_backup else {}
+        freed = 0 if keep_backup else sum(p.data.nbytes for p in params.values())
+        for p in params.values():
+            p.data = torch.empty(0, dtype=p.dtype)
+        return freed
+
+    def resume_weights(self, model_path: str) -> int:
+        """Give every base parameter its weights again: from the backup, else loaded from `model_path` (SGLang
+        gives back uninitialised memory there and miles sends the base again; for LoRA the base it sends is the
+        model path's). Return the bytes restored."""
+        if self._released is None:
+            raise ValueError("the weights are not released")
+        backup = self._released or _hf_named(self._base_parameters(), dict(_load_model(model_path).named_parameters()))
+        for name, p in self._base_parameters().items():
+            p.data = backup[name]
+        self._released = None
+        self._base_generation += 1  # the prefix cache's KV was computed under the weights as they were
+        return sum(p.data.nbytes for p in self._base_parameters().values())
+
+
+def _load_model(model_path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _hf_named(params: dict[str, torch.nn.Parameter], fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`fresh`'s tensors (a model loaded anew, HF names) under the names of `params` (peft's base_layer ones, one
+    per adapter type that wraps the module)."""
+    return {name: fresh[re.sub(r"(\.base_layer)+\.", ".", name)].data for name in params}
 
 
 def _inference_lora_config(config_dict: dict):

@@ -159,6 +159,7 @@ def reply_responses(model: type[BaseModel], what: str) -> Responses:
 ABORT: Responses = {200: {"description": "Aborted (or nothing matched)", **NO_BODY}, **NATIVE_400}
 STATUS: Responses = {200: _json(StatusMessage, "Done"), **NATIVE_400}
 VERSION: Responses = {200: _json(WeightVersionReply, "The new weight version"), **NATIVE_400}
+MEMORY: Responses = {200: _json({"type": "null"}, "Done (null, as SGLang answers)"), **NATIVE_400}
 PLAIN = {"text/plain": {"schema": {"type": "string"}}}
 FLUSH: Responses = {
     200: {"description": "Flushed", "content": PLAIN},

@@ -150,6 +150,14 @@ class ContinueGenerationReqInput(_Body):
     torch_empty_cache: bool = True
 
 
+class ReleaseMemoryOccupationReqInput(_Body):
+    tags: list[str] | None = None  # kv_cache, weights, cuda_graph; none: all
+
+
+class ResumeMemoryOccupationReqInput(_Body):
+    tags: list[str] | None = None
+
+
 class LoadLoRAAdapterReqInput(_Body):
     lora_name: str
     lora_path: str

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from miles_runner.embedded_engine.detokenizer import Detokenizer
+from miles_runner.embedded_engine.memory_occupation import NOT_IDLE, MemoryOccupation
 from miles_runner.embedded_engine.model_runner import ModelRunner
 from miles_runner.embedded_engine.prefix_cache import BLOCK, PrefixCache
 from miles_runner.embedded_engine.request import ReqState
@@ -69,9 +70,12 @@ class Scheduler:
         max_loras_per_batch: int,
         weight_version: str,
         prefix_cache: PrefixCache | None = None,
+        memory_saver: bool = False,
+        weights_cpu_backup: bool = False,
     ) -> None:
         self.runner = runner
         self.prefix_cache = prefix_cache
+        self.memory = MemoryOccupation(runner, prefix_cache, memory_saver, weights_cpu_backup)
         self.detok = detok
         self.pad_id = pad_id
         self.context_length = context_length
@@ -164,14 +168,27 @@ class Scheduler:
             self.prefix_cache.clear()
         return True
 
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's release_memory_occupation (memory_occupation.py), refused unless the engine is idle."""
+        if self._running or (self._waiting and self.paused_mode is None):
+            raise ValueError(NOT_IDLE)
+        self.memory.release(tags)
+
+    def resume_memory(self, tags: list[str] | None, model_path: str) -> None:
+        self.memory.resume(tags, model_path)
+
     def holds_requests(self) -> bool:
         """Whether a cache flush must be refused: requests resident (in_place) or still to run."""
         if self.paused_mode is not None:
             return bool(self._running)
         return bool(self._running or self._waiting)
 
-    def load(self) -> dict[str, int]:
-        return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+    def load(self) -> dict[str, object]:
+        return {
+            "num_running_reqs": len(self._running),
+            "num_waiting_reqs": len(self._waiting),
+            "memory_occupation": self.memory.state(),
+        }
 
     def _uses_adapter(self, adapter: str) -> bool:
         return any(s.req.adapter == adapter for s in (*self._running, *self._waiting))
@@ -221,7 +238,11 @@ class Scheduler:
             self._loop.call_soon_threadsafe(settle_future, deferred.future, outcome, failed)
 
     def _can_admit(self) -> bool:
-        return self.paused_mode is None and not any(d.blocks_admission for d in self._deferred)
+        return (
+            self.paused_mode is None
+            and not self.memory.holds_requests
+            and not any(d.blocks_admission for d in self._deferred)
+        )
 
     def _admit(self) -> None:
         adapters = {s.req.adapter for s in self._running} - {None}

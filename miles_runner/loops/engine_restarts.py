@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_runner.executors.local import Executor
-from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.recovery import EngineRecovery
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.weight_sync.adapter_sync import AdapterSync, SyncReport
 
 ENGINE_EVENTS_FILE = "engine_events.jsonl"

@@ -32,6 +32,7 @@ from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
+from miles_runner.loops.engine_offload import EngineOffload
 from miles_runner.loops.engine_restarts import EngineRestarts
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
@@ -100,6 +101,7 @@ class RunParts:
     tracker: Tracker
     initial_adapter: dict[str, Any]  # the trainer's adapter before step 0 (or the checkpoint's on a resume)
     adapter_shared: bool  # the adapter's parameters live in the sync's shared memory: a push sends them as they are
+    offload: EngineOffload | None  # plan.weight_sync.offload_tags: the engines give their memory back while training
 
 
 def builds_trainer_early(plan: Plan) -> bool:
@@ -172,7 +174,10 @@ class SingleAdapterLoop:
                 probe = PushProbe(engines, probe_token_ids(plan.model_path), plan.weight_sync.max_logprob_gap)
             initial_adapter = trainer.adapter_state()
             shared = share_trainer_adapter(trainer, sync)
-            parts = RunParts(trainer, ctx, sessions, stream, restarts, probe, tracker, initial_adapter, shared)
+            offload = None
+            if plan.weight_sync.offload_tags:
+                offload = EngineOffload(engines, plan.weight_sync.offload_tags, self.run_dir)
+            parts = RunParts(trainer, ctx, sessions, stream, restarts, probe, tracker, initial_adapter, shared, offload)
             freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
             self._stamp("rollout_ready")
             # The engines start from the trainer's adapter: the initial one, or on a resume the checkpoint's.
@@ -195,17 +200,24 @@ class SingleAdapterLoop:
             samples, rollout_metrics = await self._rollout_result(parts, ahead or self._start_rollout(parts), step)
             staleness = check_staleness(samples, step, plan.staleness_bound)
             ahead = self._start_rollout(parts) if overlap and step + 1 < total else None
+            offload_s = await parts.offload.release(step) if parts.offload else 0.0
             parts.tracker.phase(step, "train")
             started = time.perf_counter()
             train_metrics = await asyncio.to_thread(parts.trainer.train, samples)
             train_s = time.perf_counter() - started
             sync_metrics: dict[str, float] = {}
+            if parts.offload:
+                offload_s += await parts.offload.onload_weights(step)
             if push_due(step + 1, total, plan.weight_sync.update_weights_interval):
                 if ahead is not None:
                     await asyncio.wait([ahead.task])  # docs/system.md §7: the update waits for the generation
                 parts.tracker.phase(step, "sync")
                 sync_metrics = await self._sync(parts, step + 1)
                 engine_version = step + 1
+            elif parts.offload:
+                offload_s += await parts.offload.onload_rest(step)
+            if parts.offload:
+                sync_metrics["offload/seconds"] = offload_s + sync_metrics.pop("offload/onload_kv_seconds", 0.0)
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
             record.update(
                 {"weight_version": engine_version, **sync_metrics, "step/seconds": time.perf_counter() - step_started}
@@ -262,7 +274,8 @@ class SingleAdapterLoop:
             tensors = parts.initial_adapter
         else:  # the parameters themselves where they live in the sync's shared memory: no copy before the engine's
             tensors = (parts.trainer.adapter_views() if parts.adapter_shared else None) or parts.trainer.adapter_state()
-        report, probed = await self._push(parts, tensors, version, what=f"the push after step {version - 1}")
+        what = f"the push after step {version - 1}"
+        report, probed = await self._push(parts, tensors, version, what=what, offloaded=parts.offload is not None)
         return {
             "sync/seconds": report.seconds,
             "sync/verify_seconds": report.verify_seconds,
@@ -271,20 +284,26 @@ class SingleAdapterLoop:
         }
 
     async def _push(
-        self, parts: RunParts, tensors: Mapping[str, Any], version: int, *, what: str
+        self, parts: RunParts, tensors: Mapping[str, Any], version: int, *, what: str, offloaded: bool = False
     ) -> tuple[SyncReport, dict[str, float]]:
         """Push, then probe every engine while the trainer holds exactly the pushed adapter
-        (plan.weight_sync.verify)."""
+        (plan.weight_sync.verify). `offloaded`: the engines' KV cache comes back between the two (a probe is a
+        generation: it needs it)."""
         try:
             report = await parts.restarts.push(tensors, parts.trainer.adapter_config(), version, step=version)
         except SyncVerificationError as error:
             raise SyncVerificationError(f"{what}: {error}") from None
+        onloaded: dict[str, float] = {}
+        if offloaded and parts.offload:
+            parts.offload.update(version - 1, version, report.seconds)
+            onloaded["offload/onload_kv_seconds"] = await parts.offload.onload_rest(version - 1)
         if parts.probe is None:
-            return report, {}
+            return report, onloaded
         started = time.perf_counter()
         mine = await asyncio.to_thread(parts.trainer.probe_log_probs, parts.probe.token_ids)
         probed = await parts.probe.check(mine, self.plan.adapters[0].lora_name, what=what)
-        return report, {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
+        checked = {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
+        return report, {**onloaded, **checked}
 
     # ---- checkpoints ----
 

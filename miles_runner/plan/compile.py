@@ -15,6 +15,7 @@ from miles_runner.config.provenance import format_value
 from miles_runner.config.schema import AUTO_PORT, MilesConfig, OptimizerConfig, Port, lookup
 from miles_runner.core.adapters import AdapterSpec, adapter_spec
 from miles_runner.core.errors import PlanError, Problem
+from miles_runner.core.sglang_protocol import offload_tags
 from miles_runner.plan import render
 from miles_runner.plan.derive import (
     Derived,
@@ -152,6 +153,7 @@ def build_plan(cfg: MilesConfig, d: Derived, recipe: str | None) -> Plan:
             update_weights_interval=cfg.weight_sync.update_weights_interval,
             verify=resolve_verify(cfg.weight_sync.verify),
             max_logprob_gap=resolve_max_logprob_gap(cfg.weight_sync.max_logprob_gap, cfg.engine.kind),
+            offload_tags=offload_tags(cfg.topology.offload_rollout_level) if d.offload_rollout else [],
         ),
         capabilities=Capabilities(
             lora_enabled=d.lora_enabled,

@@ -62,8 +62,8 @@ def derive(cfg: MilesConfig) -> Derived:
     rollout_gpus = world if colocated else (cfg.topology.rollout_num_gpus or max(total - world, 0))
     par = cfg.trainer.parallel
     mp = par.tp * par.pp * par.cp
-    # Colocated roles take turns on the GPUs, so each offloads while the other runs; no GPU, nothing to free.
-    # Offloading is the Megatron path's (torch_memory_saver on both sides); the FSDP path keeps both resident.
+    # Colocated roles take turns on the GPUs, so each offloads while the other runs (miles' colocate default, on the
+    # Megatron path). A CPU plan offloads only when asked: host memory is what the trainer shares anyway.
     offload_default = colocated and not multi and not cfg.cluster.cpu_only and cfg.trainer.backend == "megatron"
     slots = (cfg.adapters.max_slots or len(cfg.adapters.runs)) if multi else 0
     gbs = cfg.algorithm.global_batch_size or cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

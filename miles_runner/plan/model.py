@@ -265,6 +265,9 @@ class WeightSyncPlan:
     update_weights_interval: int  # the adapter is pushed after every N steps, and after the last one
     verify: bool  # every engine's logprob gap on the push probe, checked right after each push (weight_sync/probe.py)
     max_logprob_gap: float
+    # SGLang memory tags the engines release after each rollout and take back around the push (docs/system.md §7:
+    # the weights before it, the rest after); empty: the engines stay resident.
+    offload_tags: list[str] = field(default_factory=list)
 
 
 def staleness_bound(update_weights_interval: int, schedule: str) -> int:

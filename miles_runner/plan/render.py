@@ -42,13 +42,8 @@ def engine_argv(
             argv += ["--enable-dp-attention", "--dp-size", str(e.tp_size)]
         if not e.enable_cuda_graph:
             argv.append("--disable-cuda-graph")
-        if d.offload_rollout:
-            argv.append("--enable-memory-saver")
         if e.fp8_rollout:  # an FP8 base for rollout; the trainer and the adapter stay in bf16 (docs/system.md §3.3)
             argv += ["--quantization", "fp8"]
-        # docs/system.md §3.2: the base's CPU backup takes LoRA in rollout, colocated engines and the flag
-        if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:
-            argv.append("--enable-weights-cpu-backup")
         if node_rank:
             argv += [
                 "--nnodes",
@@ -60,11 +55,22 @@ def engine_argv(
             ]
     else:  # the embedded engine serves as the plan's SGLang build (an SGLang engine is whichever is installed)
         argv += ["--engine-build", e.build, "--max-n", str(e.max_n), "--max-batch-size", str(e.max_batch_size)]
+    argv += memory_flags(cfg, d)
     if d.lora_rollout_enabled:
         argv += lora_flags(cfg, d)
     if cfg.rollout.routing_replay:
         argv.append("--enable-return-routed-experts")
     return argv + engine_key_flags(e.kind, cfg.security.api_key_env) + list(e.extra_args)
+
+
+def memory_flags(cfg: MilesConfig, d: Derived) -> list[str]:
+    """The same on both engine kinds (the embedded engine gives host memory back: memory_occupation.py): the memory
+    saver under rollout offload; the base's CPU backup with LoRA in rollout, colocated engines and the flag
+    (docs/system.md §3.2), which spares the resume a reload of the base."""
+    flags = ["--enable-memory-saver"] if d.offload_rollout else []
+    if cfg.adapters.base_cpu_backup and d.lora_rollout_enabled and d.colocated:
+        flags.append("--enable-weights-cpu-backup")
+    return flags
 
 
 def engine_key_flags(kind: str, api_key_env: str) -> list[str]:

@@ -40,6 +40,7 @@ def summarize(plan: Plan, plan_path: str) -> str:
         rows.append(("ports", f"auto: chosen free at start where each server runs, recorded in RUN_DIR/{PORTS_FILE}"))
     rows += [
         ("sync", sync_line(plan)),
+        *([("offload", offload_line(plan))] if plan.weight_sync.offload_tags else []),
         ("verify", verify_line(plan)),
         ("batches", batch_line(plan)),
         ("derived", derived_line(plan)),
@@ -200,6 +201,22 @@ def sync_line(plan: Plan) -> str:
         f"{s.transfer_mode}, pause {s.pause_generation_mode}, {flush}, every {s.update_weights_interval} step(s), "
         f"max staleness {r.max_weight_staleness}, schedule {r.schedule}" + (", fully async" if r.fully_async else "")
     )
+
+
+def offload_line(plan: Plan) -> str:
+    """What the engines give back after each rollout, and what that frees on this cluster (the embedded engine:
+    memory_occupation.py)."""
+    tags = plan.weight_sync.offload_tags
+    backup = bool(plan.engines) and "--enable-weights-cpu-backup" in plan.engines[0].launch.argv
+    restore = "from their CPU backup" if backup else "by reloading the model path"
+    line = f"engines release {', '.join(tags)} after each rollout; weights back before the push ({restore})"
+    line += ", the rest after"
+    if not plan.cluster.cpu_only:
+        return line
+    frees = ["no CUDA graphs on CPU"]
+    if "weights" in tags and backup:
+        frees.append("the weights' CPU backup is their own host memory, so only the KV cache is freed")
+    return f"{line} ({'; '.join(frees)})"
 
 
 def verify_line(plan: Plan) -> str:

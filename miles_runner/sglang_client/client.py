@@ -228,6 +228,15 @@ class EngineClient:
     async def continue_generation(self) -> dict[str, Any]:
         return await self._call("POST", "/continue_generation", json={})
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """POST /release_memory_occupation: give back the memory of `tags` (kv_cache, weights, cuda_graph; None:
+        all) while the trainer runs. SGLang requires the engine idle (or paused) and answers null."""
+        await self._call("POST", "/release_memory_occupation", json=_tags_body(tags))
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """POST /resume_memory_occupation: take the memory of `tags` back (the weights restored before a push)."""
+        await self._call("POST", "/resume_memory_occupation", json=_tags_body(tags))
+
     async def flush_cache(self) -> bool:
         """POST /flush_cache: True once flushed, False when the engine is busy (SGLang answers 400 while any
         request is running or waiting, including requests kept by an in-place pause)."""
@@ -485,6 +494,11 @@ def _timeout(timeout_s: float | None) -> Any:
 
 def _routing_headers(routing_key: str | None) -> dict[str, str] | None:
     return {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+
+
+def _tags_body(tags: Sequence[str] | None) -> dict[str, Any]:
+    """SGLang's Release/ResumeMemoryOccupationReqInput: `tags` left out means every tag."""
+    return {} if tags is None else {"tags": list(tags)}
 
 
 def _weight_update_body(weight_version: str | None, flush_cache: bool, abort_all_requests: bool) -> dict[str, Any]:

@@ -13,7 +13,7 @@ Modules:
     info          checks: health, model and server info, model cards
     generate      checks: native /generate (batches, n samples, streams, routed experts)
     lora          checks: LoRA serving, loading and unloading
-    weights       checks: weight updates, weight version, flush_cache
+    weights       checks: weight updates, weight version, flush_cache, release/resume of memory occupation
     abort_pause   checks: aborts and the three pause modes
     chat          checks: the OpenAI chat endpoint
     errors        checks: malformed requests

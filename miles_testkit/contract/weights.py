@@ -1,4 +1,5 @@
-"""Weight updates from disk and from tensors, the reported weight version, and flush_cache."""
+"""Weight updates from disk and from tensors, the reported weight version, flush_cache, and the release and resume
+of memory occupation."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from miles_runner.core.sglang_protocol import WEIGHTS_TAG, offload_tags
 from miles_runner.sglang_client import response as res
 from miles_testkit.contract.base import ContractTarget, contract_check
 from miles_testkit.contract.helpers import expect, generate_payload, greedy_logprobs
@@ -70,3 +72,24 @@ async def update_weight_version_is_reported(target: ContractTarget) -> dict[str,
 async def flush_cache_succeeds_when_idle(target: ContractTarget) -> dict[str, Any]:
     expect(await target.client.flush_cache() is True, "flush_cache on an idle engine did not succeed")
     return {}
+
+
+@contract_check
+async def release_and_resume_memory_occupation_keep_the_model(target: ContractTarget) -> dict[str, Any]:
+    """miles' colocated cycle on an idle engine (docs/system.md §7): release the rollout's memory, take the weights
+    back, then the rest; the engine answers as before, its adapter included."""
+    _, before = await greedy_logprobs(target.client, lora_path=target.adapter_name)
+    tags = offload_tags(["kv_cache", "weight"])
+    await target.client.release_memory_occupation(tags)
+    pending = list(tags)
+    try:
+        await target.client.resume_memory_occupation([WEIGHTS_TAG])
+        pending.remove(WEIGHTS_TAG)
+        await target.client.resume_memory_occupation(pending)
+        pending = []
+    finally:
+        if pending:  # leave the engine whole for the next check
+            await target.client.resume_memory_occupation(pending)
+    _, after = await greedy_logprobs(target.client, lora_path=target.adapter_name)
+    expect(target.same_logprobs(after, before), "the model answers differently after a release and resume")
+    return {"tags": tags}

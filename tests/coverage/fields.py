@@ -17,6 +17,14 @@ GPU_DISAGG = ("cluster=h100_1x8", "engine=sglang", "topology=disaggregated", "to
 MEGATRON_CPU = ("trainer=megatron", "lora_mode=raw")  # the Megatron trainer, raw LoRA, on the default CPU shape
 QWEN05 = ("+recipe=qwen25_05b_lora",)  # the Megatron trainer with Megatron-Bridge LoRA on one GPU
 
+ASYNC = (
+    "topology=disaggregated",
+    "topology.actor_num_gpus_per_node=1",
+    "rollout.schedule=async",
+    "rollout.max_weight_staleness=1",
+    "algorithm.use_tis=true",
+)  # 1 trainer + 1 engine device, async
+OFFLOAD = "tests/loops/test_engine_offload.py"
 DRIVER = "tests/loops/test_driver.py"
 SGLANG_ARGS = "tests/sglang_client/test_sglang_launch_args.py"
 GPU_ENGINE = (f"{SGLANG_ARGS}::test_each_gpu_engine_setting_reaches_the_sglang_command_line",)
@@ -79,9 +87,12 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Refused("megatron-offload-not-built", "true", QWEN05),
     ),
     "topology.offload_rollout": (
-        Refused("cpu-cluster-runs-no-gpu-components", "true"),
-        Refused("offload-needs-megatron", "true", GPU),
-        Refused("megatron-offload-not-built", "true", QWEN05),
+        Runs((f"{OFFLOAD}::test_each_step_offloads_and_onloads_in_the_order_of_the_colocated_loop",)),
+        Refused("rollout-offload-needs-sync-schedule", "true", ASYNC),
+        Refused("multi-lora-rollout-offload-not-built", "true", TINY_MULTI),
+    ),
+    "topology.offload_rollout_level": (
+        Runs(("tests/plan/test_offload_plan.py::test_a_level_without_the_weights_keeps_them_resident",)),
     ),
     # ---- model: a description of the checkpoint, checked against it ----
     "model.name": (
@@ -196,6 +207,13 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "adapters.exclude_modules": (Runs((f"{DERIVED}::test_exclude_modules_removes_expanded_names",)),),
     "adapters.train_only": (Refused("train-only-adapter-not-built", "true"),),
     "adapters.base_cpu_backup": (
+        Runs(
+            (
+                "tests/embedded_engine/test_memory_occupation.py::"
+                "test_with_a_cpu_backup_the_weights_stay_in_host_memory_and_come_back_from_it",
+                "tests/plan/test_offload_plan.py::test_the_cpu_summary_says_what_offload_frees_there",
+            )
+        ),
         Refused("embedded-engine-takes-no-sglang-gpu-settings", "true"),
         Refused("cpu-backup-needs-colocated-lora-rollout", "true", GPU_DISAGG),
     ),

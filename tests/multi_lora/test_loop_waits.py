@@ -15,7 +15,6 @@ import pytest
 
 from miles_runner.config.compose import compose
 from miles_runner.executors.local import LocalExecutor
-from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.loop import collect, has_work
 from miles_runner.loops.multi_lora.recovery import ENGINE_DEATH_WAIT_S, EngineRecovery
 from miles_runner.multi_lora.buffers import AdapterBuffers
@@ -26,6 +25,7 @@ from miles_runner.multi_lora.registry import RegistrySnapshot
 from miles_runner.multi_lora.settings import settings_from_plan
 from miles_runner.plan.compile import compile_plan
 from miles_runner.plan.model import Plan
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.weight_sync.verify import SyncVerificationError
 
 from .helpers import group, run, serve, snapshot

@@ -332,8 +332,6 @@ CASES = [
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
     RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=true",), ("topology.offload_train=false",)),
-    RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_rollout=true",),
-             ("topology.offload_rollout=false",), "rollout"),
     # Colocated on GPUs, offload defaults on (the derivation): the recipe's explicit false is what runs.
     RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=null", "topology.offload_rollout=null"),
              ("topology.offload_train=false", "topology.offload_rollout=false"), "derived"),
@@ -510,10 +508,10 @@ CASES = [
         "offload-needs-megatron", ("cluster=gpu_1x", "engine=sglang"),
         ("topology.offload_train=true",), ("topology.offload_train=false",),
     ),
-    RuleCase(
-        "offload-needs-megatron", ("cluster=gpu_1x", "engine=sglang"),
-        ("topology.offload_rollout=true",), ("topology.offload_rollout=false",), "rollout",
-    ),
+    RuleCase("rollout-offload-needs-sync-schedule", ASYNC, ("topology.offload_rollout=true",),
+             ("topology.offload_rollout=false",)),
+    RuleCase("multi-lora-rollout-offload-not-built", TINY_MULTI, ("topology.offload_rollout=true",),
+             ("topology.offload_rollout=false",)),
     RuleCase(
         "host-memory-holds-cpu-plan", CPU, ("cluster.memory_gb_per_node=0.001",), ("cluster.memory_gb_per_node=24",)
     ),

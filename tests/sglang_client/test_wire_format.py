@@ -64,6 +64,8 @@ CONTRACT_ROUTES = {
     "/pause_generation",
     "/continue_generation",
     "/flush_cache",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
     "/load_lora_adapter",
     "/unload_lora_adapter",
     "/load_lora_adapter_from_tensors",

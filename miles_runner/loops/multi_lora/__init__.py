@@ -24,7 +24,7 @@ Modules:
     pushes.py       what is pushed and when: stepped or new adapters, every one to new engines; each push verified
     records.py      step records and per-adapter metrics, token rate, the tracker, per-adapter plots
     checkpoints.py  per-adapter save (periodic and final) and resume (step, data cursor)
-    events.py       multi_lora_events.jsonl
+    (multi_lora_events.jsonl is written through tracking/event_log.py)
 
 Run it on a recorded plan: `python -m miles_runner.loops.run RUN_DIR [--resume]`.
 """

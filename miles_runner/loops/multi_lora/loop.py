@@ -17,7 +17,6 @@ from miles_runner.executors.controller_service import choose_controller_port, co
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.multi_lora.checkpoints import AdapterCheckpoints
-from miles_runner.loops.multi_lora.events import EVENTS_FILE, EventLog
 from miles_runner.loops.multi_lora.pushes import Pushes
 from miles_runner.loops.multi_lora.reconcile import Reconciler
 from miles_runner.loops.multi_lora.records import SlotMetrics, StepRecords, first_iteration, make_tracker, plot_adapters
@@ -33,11 +32,14 @@ from miles_runner.procs.heap import freeze_startup_heap
 from miles_runner.rollout.context import RolloutContext, rollout_engines
 from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.sglang_client.client import EngineClient
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.tracking.tracker import Tracker
 from miles_runner.trainer.interface import MultiLoRATrainer
 from miles_runner.trainer.ranks import make_multi_lora_trainer
 from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
 from miles_runner.weight_sync.sync import make_sync
+
+EVENTS_FILE = "multi_lora_events.jsonl"  # tracking/event_log.py
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules
 

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
-from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.recovery import engines_are_new
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.sglang_client.client import EngineClient
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.trainer.interface import MultiLoRATrainer
 from miles_runner.weight_sync.adapter_sync import AdapterSync
 from miles_runner.weight_sync.probe import PushProbe

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from miles_runner.core.adapters import adapter_spec
 from miles_runner.loops.multi_lora.checkpoints import AdapterCheckpoints
-from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.loops.multi_lora.pushes import Pushes
 from miles_runner.multi_lora.client import ControllerClient
 from miles_runner.multi_lora.registry import AdapterRun
 from miles_runner.rollout.multi_lora import MultiLoRARollout
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.trainer.interface import MultiLoRATrainer
 
 

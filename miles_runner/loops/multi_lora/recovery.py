@@ -10,8 +10,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from miles_runner.executors.local import Executor
-from miles_runner.loops.multi_lora.events import EventLog
 from miles_runner.sglang_client.client import EngineClient, EngineError, EngineUnavailable
+from miles_runner.tracking.event_log import EventLog
 from miles_runner.weight_sync.verify import SyncVerificationError
 
 log = logging.getLogger(__package__)  # the loop's logger, named as before the split into modules

@@ -9,7 +9,7 @@ Modules, one per section, in the order their rules run:
     sizes            counts are at least 1 (or 0): a precondition
     session          the session server and its pause mode (docs/system.md §1.2 rules 1-6)
     fully_async      fully-async rollout and the async schedule (rules 7-8)
-    offload          training offload and optimizer storage (rules 9-15)
+    offload          training and rollout offload, optimizer storage (rules 9-15; more NOT_BUILT)
     weight_transfer  weight-transfer modes (rules 16-17)
     lora             LoRA modes and target modules (rules 18-25)
     multi_lora       multi-LoRA slots and per-adapter settings (rules 26-29)
@@ -39,6 +39,6 @@ from miles_runner.plan.rules import training, security, engine_limits  # noqa: F
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 
-NOT_BUILT = backends.NOT_BUILT + megatron.NOT_BUILT + training.NOT_BUILT
+NOT_BUILT = backends.NOT_BUILT + megatron.NOT_BUILT + offload.NOT_BUILT + training.NOT_BUILT
 
 __all__ = ["NOT_BUILT", "PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]

@@ -113,11 +113,11 @@ def embedded_engine_takes_no_sglang_gpu_settings(cfg: MilesConfig, d: Derived) -
                 "would ignore it.",
                 f"engine.{name}={_override_text(_engine_default(name))}",
             )
-    if cfg.adapters.base_cpu_backup:
+    if cfg.adapters.base_cpu_backup and not d.offload_rollout:
         yield Finding(
-            ("engine.kind", "adapters.base_cpu_backup"),
-            "adapters.base_cpu_backup keeps an SGLang engine's base weights in host memory while LoRA weights "
-            "move; the embedded engine's weights are in host memory already.",
+            ("engine.kind", "adapters.base_cpu_backup", "topology.offload_rollout"),
+            "adapters.base_cpu_backup keeps the base weights an engine releases, to restore them from; without "
+            "rollout offload the embedded engine never releases them.",
             "adapters.base_cpu_backup=false",
         )
 

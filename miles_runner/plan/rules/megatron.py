@@ -179,17 +179,14 @@ def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Find
 def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.trainer.backend != "megatron":
         return
-    for key, what in (
-        ("offload_train", "the trainer's weights while the engines generate"),
-        ("offload_rollout", "the engines' memory while the trainer trains"),
-    ):
-        if getattr(d, key):
-            yield Finding(
-                (f"topology.{key}", BACKEND),
-                f"Offloading {what} (SGLang's release/resume_memory_occupation, torch_memory_saver) is not built "
-                "in this release: the trainer and the engines stay resident side by side.",
-                f"topology.{key}=false",
-            )
+    if d.offload_train:
+        yield Finding(
+            ("topology.offload_train", BACKEND),
+            "Offloading the Megatron trainer's weights, gradients and optimizer state while the engines generate is "
+            "not built in this release: the trainer stays resident beside the engines (which do offload: "
+            "topology.offload_rollout).",
+            "topology.offload_train=false",
+        )
     if cfg.optimizer.cpu_offload:
         yield Finding(
             ("optimizer.cpu_offload", BACKEND),

@@ -8,6 +8,8 @@ from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, Finding, rule
 
+NOT_BUILT = ("multi-lora-rollout-offload-not-built",)
+
 
 @rule("disk-offload-needs-megatron")
 def disk_offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
@@ -49,16 +51,37 @@ def rematerialize_rejects_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding
 
 @rule("offload-needs-megatron")
 def offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.backend == "megatron" or cfg.cluster.cpu_only:
+    if cfg.trainer.backend == "megatron" or cfg.cluster.cpu_only or not d.offload_train:
         return
-    for key in ("offload_train", "offload_rollout"):
-        if getattr(d, key):
-            yield Finding(
-                (f"topology.{key}", BACKEND),
-                "Colocated offload (trainer weights and the engines' memory released in turn) is driven by the "
-                "Megatron trainer's loop; the FSDP trainer and its engines stay resident.",
-                f"topology.{key}=false",
-            )
+    yield Finding(
+        ("topology.offload_train", BACKEND),
+        "Training offload (the trainer's weights, gradients and optimizer state moved out while the engines "
+        "generate) is the Megatron trainer's; the FSDP trainer stays resident. The engines' offload "
+        "(topology.offload_rollout) works with either trainer.",
+        "topology.offload_train=false",
+    )
+
+
+@rule("rollout-offload-needs-sync-schedule")
+def rollout_offload_needs_sync_schedule(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if d.offload_rollout and cfg.rollout.schedule == "async":
+        yield Finding(
+            ("topology.offload_rollout", "rollout.schedule"),
+            "The engines give their memory back between a rollout and the next push; under the async schedule "
+            "they generate the next batch then, and SGLang releases memory only when idle.",
+            "topology.offload_rollout=false",
+        )
+
+
+@rule("multi-lora-rollout-offload-not-built")
+def multi_lora_rollout_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if d.offload_rollout and d.multi_lora:
+        yield Finding(
+            ("topology.offload_rollout", ADAPTERS),
+            "The multi-LoRA loop keeps its engines resident: it pushes adapters while others generate, so its "
+            "engines are never idle between a rollout and a push.",
+            "topology.offload_rollout=false",
+        )
 
 
 @rule("optimizer-cpu-offload-needs-megatron")

@@ -1,13 +1,11 @@
-"""multi_lora_events.jsonl: one line per thing the loop did (retired, loaded, cleaned up, pushed, trained,
-engines restarted), for audits of a run after the fact."""
+"""Event logs: one JSON line per thing a loop did (the multi-LoRA loop's retirements, loads, pushes and trainings;
+engine restarts; a colocated step's offload calls), for audits of a run after the fact."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
-
-EVENTS_FILE = "multi_lora_events.jsonl"
 
 
 class EventLog:
@@ -19,3 +17,9 @@ class EventLog:
     def write(self, iteration: int, event: str, **fields: Any) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps({"iteration": iteration, "event": event, **fields}) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every line written so far (none before the first write)."""
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
