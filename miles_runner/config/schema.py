@@ -130,6 +130,10 @@ class TrainerConfig:
     lora_mode: str = "peft"  # set by the lora_mode group: how the backend applies LoRA
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     offload_target: str = "cpu"
+    offload_disk_dir: str = (
+        ""  # offload_target=disk: "" is $SCRATCH (else the temporary folder)/miles_train_offload_<uid>
+    )
+    offload_disk_chunk_mb: int = 64  # miles' --offload-train-disk-chunk-mb
     calculate_per_token_loss: bool = False
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int = 4096

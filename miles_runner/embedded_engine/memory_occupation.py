@@ -23,14 +23,10 @@ illegal memory access on a GPU); a base weight update is refused until the weigh
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from miles_runner.core.host_memory import return_freed_pages, rss_bytes
 from miles_runner.core.sglang_protocol import KV_CACHE_TAG, MEMORY_TAGS, WEIGHTS_TAG
 from miles_runner.embedded_engine.model_runner import ModelRunner
 from miles_runner.embedded_engine.prefix_cache import PrefixCache
@@ -70,7 +66,7 @@ class MemoryOccupation:
                 continue
             self.released.add(tag)
             self.freed_bytes[tag] = self._release(tag)
-        _return_freed_pages()
+        return_freed_pages()
 
     def resume(self, tags: Sequence[str] | None, model_path: str) -> None:
         wanted = checked_tags(tags)
@@ -95,21 +91,3 @@ class MemoryOccupation:
         """What is released, the bytes each tag freed, and the process's resident memory now (what a release and a
         resume move)."""
         return {"released": sorted(self.released), "freed_bytes": dict(self.freed_bytes), "rss_bytes": rss_bytes()}
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 where it cannot be read)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _return_freed_pages() -> None:
-    """Hand freed heap pages back to the OS: glibc keeps freed chunks below its mmap threshold (which rises as large
-    blocks are freed), so the resident memory would not drop by what was freed."""
-    gc.collect()
-    if libc_name := ctypes.util.find_library("c"):
-        libc = ctypes.CDLL(libc_name)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)

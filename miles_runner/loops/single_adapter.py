@@ -32,8 +32,8 @@ from miles_runner.core.faults import FREEZE_ROLLOUT_ADAPTER, warn_fault_switches
 from miles_runner.executors.local import Deployment
 from miles_runner.executors.ray import make_executor
 from miles_runner.loops.checkpoint import load_latest, save_checkpoint
-from miles_runner.loops.engine_offload import EngineOffload
 from miles_runner.loops.engine_restarts import EngineRestarts
+from miles_runner.loops.step_offload import StepOffload
 from miles_runner.plan.model import Plan
 from miles_runner.plugins.tasks import PromptStream
 from miles_runner.procs.heap import freeze_startup_heap
@@ -101,7 +101,7 @@ class RunParts:
     tracker: Tracker
     initial_adapter: dict[str, Any]  # the trainer's adapter before step 0 (or the checkpoint's on a resume)
     adapter_shared: bool  # the adapter's parameters live in the sync's shared memory: a push sends them as they are
-    offload: EngineOffload | None  # plan.weight_sync.offload_tags: the engines give their memory back while training
+    offload: StepOffload | None  # rollout or training offload: the engines and the trainer take turns
 
 
 def builds_trainer_early(plan: Plan) -> bool:
@@ -175,8 +175,9 @@ class SingleAdapterLoop:
             initial_adapter = trainer.adapter_state()
             shared = share_trainer_adapter(trainer, sync)
             offload = None
-            if plan.weight_sync.offload_tags:
-                offload = EngineOffload(engines, plan.weight_sync.offload_tags, self.run_dir)
+            if plan.weight_sync.offload_tags or plan.trainer.offload_train:
+                offloaded_trainer = trainer if plan.trainer.offload_train else None
+                offload = StepOffload(engines, plan.weight_sync.offload_tags, offloaded_trainer, self.run_dir)
             parts = RunParts(trainer, ctx, sessions, stream, restarts, probe, tracker, initial_adapter, shared, offload)
             freeze_startup_heap()  # the trainer, clients and imports: alive for the whole run
             self._stamp("rollout_ready")
@@ -184,6 +185,8 @@ class SingleAdapterLoop:
             await self._push(parts, initial_adapter, start, what=f"the push before step {start}")
             self._stamp("first_push_done")
             await self._steps(parts, start)
+            if offload:  # the trainer's state back, and its scratch chunks gone
+                await offload.onload_trainer(plan.batch.num_steps)
             trainer.save_adapter(self.run_dir / "adapter")
         return tracker.records
 
@@ -200,24 +203,20 @@ class SingleAdapterLoop:
             samples, rollout_metrics = await self._rollout_result(parts, ahead or self._start_rollout(parts), step)
             staleness = check_staleness(samples, step, plan.staleness_bound)
             ahead = self._start_rollout(parts) if overlap and step + 1 < total else None
-            offload_s = await parts.offload.release(step) if parts.offload else 0.0
+            due = push_due(step + 1, total, plan.weight_sync.update_weights_interval)
             parts.tracker.phase(step, "train")
-            started = time.perf_counter()
-            train_metrics = await asyncio.to_thread(parts.trainer.train, samples)
-            train_s = time.perf_counter() - started
+            train_metrics, train_s, mine = await self._train_step(parts, step, samples, probe_due=due)
             sync_metrics: dict[str, float] = {}
-            if parts.offload:
-                offload_s += await parts.offload.onload_weights(step)
-            if push_due(step + 1, total, plan.weight_sync.update_weights_interval):
+            if due:
                 if ahead is not None:
                     await asyncio.wait([ahead.task])  # docs/system.md §7: the update waits for the generation
                 parts.tracker.phase(step, "sync")
-                sync_metrics = await self._sync(parts, step + 1)
+                sync_metrics = await self._sync(parts, step + 1, mine)
                 engine_version = step + 1
             elif parts.offload:
-                offload_s += await parts.offload.onload_rest(step)
+                await parts.offload.onload_rest(step)
             if parts.offload:
-                sync_metrics["offload/seconds"] = offload_s + sync_metrics.pop("offload/onload_kv_seconds", 0.0)
+                sync_metrics["offload/seconds"] = parts.offload.take_seconds()
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
             record.update(
                 {"weight_version": engine_version, **sync_metrics, "step/seconds": time.perf_counter() - step_started}
@@ -228,6 +227,29 @@ class SingleAdapterLoop:
             if self._checkpoint_due(step + 1):
                 parts.tracker.phase(step, "checkpoint")
                 self._checkpoint(parts.trainer, parts.stream, step + 1, taken_ahead=ahead is not None)
+                if parts.offload:  # the save needed the trainer's state: it leaves again until the next train
+                    await parts.offload.offload_trainer(step)
+
+    async def _train_step(
+        self, parts: RunParts, step: int, samples: list[Sample], *, probe_due: bool
+    ) -> tuple[dict[str, float], float, list[float] | None]:
+        """Train on the rollout, with the step's offload calls around it (docs/system.md §7): the engines release,
+        the trainer comes back, trains, and leaves again before the engines take their weights back. Returns the
+        metrics, the seconds, and the trainer's probe logprobs when it left (the push probe compares them)."""
+        if parts.offload:
+            await parts.offload.release(step)
+            await parts.offload.onload_trainer(step)
+        started = time.perf_counter()
+        metrics = await asyncio.to_thread(parts.trainer.train, samples)
+        train_s = time.perf_counter() - started
+        mine = None
+        if parts.offload and parts.offload.trainer is not None:
+            if probe_due and parts.probe is not None:
+                mine = await asyncio.to_thread(parts.trainer.probe_log_probs, parts.probe.token_ids)
+            await parts.offload.offload_trainer(step)
+        if parts.offload:
+            await parts.offload.onload_weights(step)
+        return metrics, train_s, mine
 
     # ---- rollouts ----
 
@@ -267,7 +289,7 @@ class SingleAdapterLoop:
 
     # ---- pushes ----
 
-    async def _sync(self, parts: RunParts, version: int) -> dict[str, float]:
+    async def _sync(self, parts: RunParts, version: int, mine: list[float] | None) -> dict[str, float]:
         # Under the fault switch the engines get a new version of the *initial* adapter: the protocol and the
         # versions run as usual, only the trained weights never reach the rollouts.
         if self.freeze_adapter:
@@ -275,7 +297,7 @@ class SingleAdapterLoop:
         else:  # the parameters themselves where they live in the sync's shared memory: no copy before the engine's
             tensors = (parts.trainer.adapter_views() if parts.adapter_shared else None) or parts.trainer.adapter_state()
         what = f"the push after step {version - 1}"
-        report, probed = await self._push(parts, tensors, version, what=what, offloaded=parts.offload is not None)
+        report, probed = await self._push(parts, tensors, version, what=what, offloaded=True, mine=mine)
         return {
             "sync/seconds": report.seconds,
             "sync/verify_seconds": report.verify_seconds,
@@ -284,26 +306,33 @@ class SingleAdapterLoop:
         }
 
     async def _push(
-        self, parts: RunParts, tensors: Mapping[str, Any], version: int, *, what: str, offloaded: bool = False
+        self,
+        parts: RunParts,
+        tensors: Mapping[str, Any],
+        version: int,
+        *,
+        what: str,
+        offloaded: bool = False,
+        mine: list[float] | None = None,
     ) -> tuple[SyncReport, dict[str, float]]:
         """Push, then probe every engine while the trainer holds exactly the pushed adapter
-        (plan.weight_sync.verify). `offloaded`: the engines' KV cache comes back between the two (a probe is a
-        generation: it needs it)."""
+        (plan.weight_sync.verify). `offloaded` (a step's push): under offload the engines' KV cache comes back
+        between the two (a probe is a generation: it needs it). `mine`: the trainer's probe logprobs, taken before
+        it was offloaded."""
         try:
             report = await parts.restarts.push(tensors, parts.trainer.adapter_config(), version, step=version)
         except SyncVerificationError as error:
             raise SyncVerificationError(f"{what}: {error}") from None
-        onloaded: dict[str, float] = {}
         if offloaded and parts.offload:
             parts.offload.update(version - 1, version, report.seconds)
-            onloaded["offload/onload_kv_seconds"] = await parts.offload.onload_rest(version - 1)
+            await parts.offload.onload_rest(version - 1)
         if parts.probe is None:
-            return report, onloaded
+            return report, {}
         started = time.perf_counter()
-        mine = await asyncio.to_thread(parts.trainer.probe_log_probs, parts.probe.token_ids)
+        if mine is None:
+            mine = await asyncio.to_thread(parts.trainer.probe_log_probs, parts.probe.token_ids)
         probed = await parts.probe.check(mine, self.plan.adapters[0].lora_name, what=what)
-        checked = {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
-        return report, {**onloaded, **checked}
+        return report, {"verify/logprob_gap": max(probed.gaps), "verify/seconds": time.perf_counter() - started}
 
     # ---- checkpoints ----
 

@@ -201,6 +201,8 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
         placements=[list(s) for s in trainer_devices(d)],
         offload_train=d.offload_train,
         offload_target=cfg.trainer.offload_target,
+        offload_disk_dir=cfg.trainer.offload_disk_dir,
+        offload_disk_chunk_mb=cfg.trainer.offload_disk_chunk_mb,
         launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
         calculate_per_token_loss=cfg.trainer.calculate_per_token_loss,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_gpu if cfg.trainer.use_dynamic_batch_size else 0,

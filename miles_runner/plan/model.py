@@ -157,6 +157,8 @@ class TrainerPlan:
     offload_train: bool
     offload_target: str
     launch: Launch
+    offload_disk_dir: str = ""  # offload_target=disk: where the chunks go ("": trainer/train_offload.py's default)
+    offload_disk_chunk_mb: int = 64
     calculate_per_token_loss: bool = False  # the loss is the mean over the step's tokens, not over its samples
     # Micro-batches hold at most this many tokens (first fit), instead of micro_batch_size samples; 0: off.
     max_tokens_per_micro_batch: int = 0

@@ -112,7 +112,18 @@ def trainer_line(plan: Plan) -> str:
         line += f", LoRA r{a.rank} a{a.alpha:g} via {t.lora_mode} on [{', '.join(a.target_modules)}]"
     elif plan.multi_lora:
         line += f", multi-LoRA via {t.lora_mode}"
-    return line + (", offload " + t.offload_target if t.offload_train else "")
+    return line + (f", {train_offload_text(plan)}" if t.offload_train else "")
+
+
+def train_offload_text(plan: Plan) -> str:
+    """Where the trainer's state goes between trains, and whether that frees anything on this cluster."""
+    t = plan.trainer
+    if t.offload_target == "disk":
+        where = t.offload_disk_dir or "miles_train_offload_<uid> under $SCRATCH, else the temporary folder"
+        return f"offload to disk ({t.offload_disk_chunk_mb} MB chunks in {where})"
+    if plan.cluster.cpu_only:
+        return "offload to cpu (on a CPU host this moves nothing: the state is in host memory already)"
+    return "offload to cpu"
 
 
 def megatron_line(plan: Plan) -> str:

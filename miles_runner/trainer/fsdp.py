@@ -73,6 +73,7 @@ class FSDPTrainer(PolicyTrainer):
 
     def state_dict(self) -> dict[str, Any]:
         """Adapter, optimizer, RNG and step, as full tensors (collective under FSDP2; complete on rank 0)."""
+        self._resident()  # the optimizer state may be offloaded
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -85,6 +86,7 @@ class FSDPTrainer(PolicyTrainer):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resident()  # the optimizer state may be offloaded
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,

@@ -57,6 +57,13 @@ class Trainer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a `state_dict`."""
 
+    def offload_state(self) -> dict[str, Any]:
+        """Move the frozen weights, gradients and optimizer state out while the engines work (topology.offload_train;
+        nothing without it); what moved, and the resident memory after."""
+
+    def onload_state(self) -> dict[str, Any]:
+        """Bring them back (a call that needs them does it first, too)."""
+
 
 class MultiLoRATrainer(Protocol):
     """One LoRA adapter per engine slot on one frozen base model: slots are loaded and cleared as tenants come and

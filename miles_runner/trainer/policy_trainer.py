@@ -29,6 +29,7 @@ import torch.distributed as dist
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.core.adapters import AdapterSpec
 from miles_runner.core.atomic_folder import replace_folder, staging_folder
+from miles_runner.core.host_memory import rss_bytes
 from miles_runner.models.moe_routing import RoutingLayout
 from miles_runner.plan.model import Plan
 from miles_runner.trainer.advantages import Estimator
@@ -46,6 +47,7 @@ from miles_runner.trainer.metrics import MetricMeans
 from miles_runner.trainer.micro_batches import agreed_micro_batches, cut_columns, row_lengths
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer, loss_config
 from miles_runner.trainer.routing_replay import check_routed_experts
+from miles_runner.trainer.train_offload import OffloadReport, OffloadSettings, TrainStateOffload, offload_settings
 
 T = TypeVar("T")
 
@@ -66,6 +68,7 @@ class TrainerSettings:
     max_tokens_per_micro_batch: int = 0  # trainer.use_dynamic_batch_size: the token budget; 0: micro_batch_size
     routing_replay: bool = False  # R3: train with the rollout's expert choices (rollout.routing_replay)
     seed: int = 0
+    offload: OffloadSettings | None = None  # topology.offload_train: where the state goes between trains
 
     @classmethod
     def from_plan(cls, plan: Plan, adapter_index: int = 0) -> TrainerSettings:
@@ -82,6 +85,7 @@ class TrainerSettings:
             max_tokens_per_micro_batch=plan.trainer.max_tokens_per_micro_batch,
             routing_replay=plan.capabilities.use_routing_replay,
             seed=plan.seed,
+            offload=offload_settings(plan),
         )
 
     def estimator(self) -> Estimator:
@@ -131,6 +135,9 @@ class PolicyTrainer(ABC):
         self.rank, self.world_size = rank_and_world()
         self.dp = dp or DataParallel(self.rank, self.world_size)
         self.optimizer = build_optimizer(self._lora_parameters(), settings.optimizer, settings.adapter.lr)
+        self.offloader = (
+            TrainStateOffload(settings.offload, model, self.optimizer, self.rank) if settings.offload else None
+        )
         self.step = 0
         self.estimator = settings.estimator()
         self.loss_config = settings.loss_config()
@@ -184,18 +191,42 @@ class PolicyTrainer(ABC):
 
     def compute_log_probs(self, samples: Sequence[TrainingSample], *, adapter: bool = True) -> list[list[float]]:
         """The trainer's log-probs of each sample's response tokens (every rank computes all of them)."""
+        self._resident()
         batch = pack_samples(samples, self.pad_id, self.routing)
         return response_values(self._log_probs(batch, adapter=adapter), samples)
 
     def probe_log_probs(self, token_ids: Sequence[int]) -> list[float]:
         """The adapter's raw logprobs of the push probe (weight_sync/probe.py); collective."""
+        self._resident()
         self.model.eval()
         return sequence_log_probs(self.net, token_ids)
+
+    # ---- training offload (train_offload.py) ----
+
+    def offload_state(self) -> dict[str, Any]:
+        """Move the frozen weights, gradients and optimizer state out (trainer.offload_target); what moved."""
+        report = self.offloader.offload() if self.offloader else None
+        return self._offload_record(report)
+
+    def onload_state(self) -> dict[str, Any]:
+        """Bring them back (every call that needs them does it first, too)."""
+        report = self.offloader.onload() if self.offloader else None
+        return self._offload_record(report)
+
+    def _resident(self) -> None:
+        if self.offloader is not None and self.offloader.offloaded:
+            self.offloader.onload()
+
+    def _offload_record(self, report: OffloadReport | None) -> dict[str, Any]:
+        target = self.settings.offload.target if self.settings.offload else "none"
+        moved, chunks = (report.moved_bytes, report.chunks) if report else (0, 0)
+        return {"target": target, "moved_bytes": moved, "chunks": chunks, "rss_bytes": rss_bytes()}
 
     # ---- training ----
 
     def train(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         """One rollout's update. Samples are ordered group by group; every rank passes the same full list."""
+        self._resident()
         s, dp = self.settings, self.dp
         check_routed_experts(samples, self.routing)  # the whole batch on every rank: all fail alike
         rewards = torch.tensor([float(x.reward if x.reward is not None else 0.0) for x in samples])

@@ -244,6 +244,12 @@ class RankedTrainer(_Ranks[Trainer]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._replay("load_state_dict", state)
 
+    def offload_state(self) -> dict[str, Any]:
+        return self._replay("offload_state")
+
+    def onload_state(self) -> dict[str, Any]:
+        return self._replay("onload_state")
+
 
 class RankedMultiLoRATrainer(_Ranks[MultiLoRATrainer]):
     """Rank 0's `MultiLoRATrainer` of every rank."""

@@ -24,7 +24,8 @@ ASYNC = (
     "rollout.max_weight_staleness=1",
     "algorithm.use_tis=true",
 )  # 1 trainer + 1 engine device, async
-OFFLOAD = "tests/loops/test_engine_offload.py"
+OFFLOAD = "tests/loops/test_step_offload.py"
+TRAINER_OFFLOAD = "test_the_megatron_trainer_leaves_after_training_and_before_the_engines_take_their_weights_back"
 DRIVER = "tests/loops/test_driver.py"
 SGLANG_ARGS = "tests/sglang_client/test_sglang_launch_args.py"
 GPU_ENGINE = (f"{SGLANG_ARGS}::test_each_gpu_engine_setting_reaches_the_sglang_command_line",)
@@ -82,9 +83,8 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Runs(("tests/executors/test_plan_engines.py::test_a_disaggregated_plan_starts_one_engine_per_rollout_gpu",)),
     ),
     "topology.offload_train": (
-        Refused("cpu-cluster-runs-no-gpu-components", "true"),
+        Runs((f"{OFFLOAD}::{TRAINER_OFFLOAD}",)),
         Refused("offload-needs-megatron", "true", GPU),
-        Refused("megatron-offload-not-built", "true", QWEN05),
     ),
     "topology.offload_rollout": (
         Runs((f"{OFFLOAD}::test_each_step_offloads_and_onloads_in_the_order_of_the_colocated_loop",)),
@@ -162,7 +162,24 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     "trainer.parallel.recompute": (
         Runs((f"{OPTIONS}::test_recompute_replays_each_layer_in_backward_and_leaves_the_update_unchanged",)),
     ),
-    "trainer.offload_target": (Refused("disk-offload-needs-megatron", "disk"),),
+    "trainer.offload_target": (
+        Runs(
+            (
+                f"{OFFLOAD}::{TRAINER_OFFLOAD}",
+                "tests/trainer/megatron/test_train_offload.py::test_cpu_offload_on_a_cpu_host_moves_nothing",
+            )
+        ),
+        Refused("disk-offload-needs-megatron", "disk"),
+    ),
+    "trainer.offload_disk_dir": (Runs((f"{OFFLOAD}::{TRAINER_OFFLOAD}",)),),
+    "trainer.offload_disk_chunk_mb": (
+        Runs((f"{OFFLOAD}::{TRAINER_OFFLOAD}",)),
+        Refused(
+            "disk-offload-needs-megatron",
+            "0",
+            (*MEGATRON_CPU, "topology.offload_train=true", "trainer.offload_target=disk"),
+        ),
+    ),
     "trainer.calculate_per_token_loss": (
         Runs((f"{OPTIONS}::test_per_token_loss_weighs_each_sample_by_its_trained_tokens",)),
     ),

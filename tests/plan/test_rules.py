@@ -172,6 +172,10 @@ CASES = [
     # ---- offload and optimizer storage ----
     RuleCase("disk-offload-needs-megatron", CPU, ("trainer.offload_target=disk",), ("trainer.offload_target=cpu",)),
     RuleCase(
+        "disk-offload-needs-megatron", (*MEGATRON_CPU, "topology.offload_train=true", "trainer.offload_target=disk"),
+        ("trainer.offload_disk_chunk_mb=0",), ("trainer.offload_disk_chunk_mb=64",), "chunk-mb",
+    ),
+    RuleCase(
         "disk-offload-needs-megatron", GLM,
         ("topology.offload_train=false",), ("topology.offload_train=true",), "offload-off",
     ),
@@ -331,10 +335,6 @@ CASES = [
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
-    RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=true",), ("topology.offload_train=false",)),
-    # Colocated on GPUs, offload defaults on (the derivation): the recipe's explicit false is what runs.
-    RuleCase("megatron-offload-not-built", QWEN05, ("topology.offload_train=null", "topology.offload_rollout=null"),
-             ("topology.offload_train=false", "topology.offload_rollout=false"), "derived"),
     RuleCase("megatron-offload-not-built", MEGATRON_CPU, ("optimizer.cpu_offload=true",),
              ("optimizer.cpu_offload=false",), "optimizer"),
     # ---- plug-ins ----
@@ -517,8 +517,6 @@ CASES = [
     ),
     RuleCase("cpu-cluster-runs-no-gpu-components", CPU, ("cluster.gpu_type=H100",), ("cluster.gpu_type=none",),
              "gpu-type"),
-    RuleCase("cpu-cluster-runs-no-gpu-components", CPU, ("topology.offload_train=true",),
-             ("topology.offload_train=false",), "offload"),
     RuleCase("starting-adapter-fits-plan", CPU, ("adapters.path=/no/such/adapter",), ("adapters.path=''",)),
     RuleCase("starting-adapter-fits-plan", TINY_MULTI, ("adapters.path=/no/such/adapter",), ("adapters.path=''",),
              "multi"),

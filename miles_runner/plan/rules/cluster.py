@@ -27,13 +27,6 @@ def cpu_cluster_runs_no_gpu_components(cfg: MilesConfig, d: Derived) -> Iterator
             "A cpu-only cluster has no GPUs to describe.",
             "cluster.gpu_type=none cluster.gpu_memory_gb=0",
         )
-    if cfg.topology.offload_train:  # the engines' side runs on CPU too: the embedded engine gives host memory back
-        yield Finding(
-            ("topology.offload_train", "cluster.cpu_only"),
-            "Training offload moves the trainer's state off the GPU while the engines generate; on a cpu-only "
-            "cluster there is no GPU to free.",
-            "topology.offload_train=false",
-        )
 
 
 @rule("gpu-cluster-needs-gpus", precondition=True)

@@ -179,14 +179,6 @@ def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Find
 def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     if cfg.trainer.backend != "megatron":
         return
-    if d.offload_train:
-        yield Finding(
-            ("topology.offload_train", BACKEND),
-            "Offloading the Megatron trainer's weights, gradients and optimizer state while the engines generate is "
-            "not built in this release: the trainer stays resident beside the engines (which do offload: "
-            "topology.offload_rollout).",
-            "topology.offload_train=false",
-        )
     if cfg.optimizer.cpu_offload:
         yield Finding(
             ("optimizer.cpu_offload", BACKEND),

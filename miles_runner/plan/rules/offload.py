@@ -27,6 +27,12 @@ def disk_offload_needs_megatron(cfg: MilesConfig, d: Derived) -> Iterator[Findin
             "A disk offload target needs training offload to be on.",
             "topology.offload_train=true",
         )
+    if cfg.trainer.offload_disk_chunk_mb <= 0:
+        yield Finding(
+            ("trainer.offload_disk_chunk_mb", "trainer.offload_target"),
+            "Disk offload writes the trainer's state in chunks of this many MB; it must be positive.",
+            "trainer.offload_disk_chunk_mb=64",
+        )
 
 
 @rule("streamed-optimizer-state-rejects-lora")

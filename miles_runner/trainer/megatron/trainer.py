@@ -117,6 +117,7 @@ class MegatronTrainer(PolicyTrainer):
     def state_dict(self) -> dict[str, Any]:
         """Every rank's LoRA shards and optimizer state (resume needs the same layout, as in Megatron), the adapter
         in PEFT names (layout-free, to read), RNG and step; collective, complete on every rank."""
+        self._resident()  # the optimizer state may be offloaded
         return {
             "adapter": self.adapter_state(),
             "lora_by_rank": self._gathered(self._lora_shards()),
@@ -140,6 +141,7 @@ class MegatronTrainer(PolicyTrainer):
         return {**dataclasses.asdict(self.layout), "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resident()  # the optimizer state may be offloaded
         saved = state.get("layout")
         if saved != self._layout_record():
             raise ValueError(
