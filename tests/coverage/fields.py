@@ -90,6 +90,7 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         Runs((f"{OFFLOAD}::test_each_step_offloads_and_onloads_in_the_order_of_the_colocated_loop",)),
         Refused("rollout-offload-needs-sync-schedule", "true", ASYNC),
         Refused("multi-lora-rollout-offload-not-built", "true", TINY_MULTI),
+        Refused("rollout-offload-engine-restarts-not-built", "true", ("executor.engine_restarts=1",)),
     ),
     "topology.offload_rollout_level": (
         Runs(("tests/plan/test_offload_plan.py::test_a_level_without_the_weights_keeps_them_resident",)),

@@ -512,6 +512,8 @@ CASES = [
              ("topology.offload_rollout=false",)),
     RuleCase("multi-lora-rollout-offload-not-built", TINY_MULTI, ("topology.offload_rollout=true",),
              ("topology.offload_rollout=false",)),
+    RuleCase("rollout-offload-engine-restarts-not-built", ("topology.offload_rollout=true",),
+             ("executor.engine_restarts=1",), ("executor.engine_restarts=0",)),
     RuleCase(
         "host-memory-holds-cpu-plan", CPU, ("cluster.memory_gb_per_node=0.001",), ("cluster.memory_gb_per_node=24",)
     ),

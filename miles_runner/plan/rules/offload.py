@@ -8,7 +8,7 @@ from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, Finding, rule
 
-NOT_BUILT = ("multi-lora-rollout-offload-not-built",)
+NOT_BUILT = ("multi-lora-rollout-offload-not-built", "rollout-offload-engine-restarts-not-built")
 
 
 @rule("disk-offload-needs-megatron")
@@ -87,6 +87,17 @@ def multi_lora_rollout_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterat
             "The multi-LoRA loop keeps its engines resident: it pushes adapters while others generate, so its "
             "engines are never idle between a rollout and a push.",
             "topology.offload_rollout=false",
+        )
+
+
+@rule("rollout-offload-engine-restarts-not-built")
+def rollout_offload_engine_restarts_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    if d.offload_rollout and cfg.executor.engine_restarts > 0:
+        yield Finding(
+            ("topology.offload_rollout", "executor.engine_restarts"),
+            "An engine restarted while the others are released comes back holding its memory, and resuming a tag "
+            "it never released fails (SGLang's scheduler raises); restarts under rollout offload are not built.",
+            "executor.engine_restarts=0",
         )
 
 
