@@ -1,5 +1,6 @@
 """GPU check: real SGLang serving the tiny MoE model, driven through the same EngineClient contract as the CPU
-contract tests (miles_testkit/contract/), with LoRA and routed experts on.
+contract tests (miles_testkit/contract/), with LoRA, routed experts and the memory saver on; then the GPU memory one
+release of every tag frees and its resume takes back.
 
     python scripts/gpu_check_sglang.py [--work-dir DIR] [--start-timeout-s 600] [--only CHECK ...]
 
@@ -31,6 +32,10 @@ SGLANG_GPU_FLAGS = [
     "0.3",
     "--random-seed",
     "0",
+    # As a colocated run's engines start (plan/render.py memory_flags): release_memory_occupation gives GPU memory
+    # back, and the weights come back from host memory (without the backup SGLang resumes them uninitialised).
+    "--enable-memory-saver",
+    "--enable-weights-cpu-backup",
 ]
 # SGLang serves a float32 checkpoint in half precision (dtype auto): two runs of one request differ slightly.
 SGLANG_LOGPROB_TOL = 0.05
@@ -61,6 +66,26 @@ def sglang_tensor_wires() -> tuple[Any, Any]:
         return MultiprocessingSerializer.serialize(list(on_gpu(tensors).items()), output_str=True)
 
     return lora_wire, weights_wire
+
+
+async def device_memory_cycle(url: str) -> dict[str, float]:
+    """The GPU memory a release of every tag frees and a resume takes again (the device's free memory, read here:
+    the engine is another process)."""
+    import torch
+
+    from miles_runner.core.sglang_protocol import MEMORY_TAGS, WEIGHTS_TAG
+    from miles_runner.sglang_client.client import EngineClient
+
+    def free_mib() -> float:
+        return torch.cuda.mem_get_info()[0] / 2**20
+
+    async with EngineClient(url, timeout_s=300) as client:
+        before = free_mib()
+        await client.release_memory_occupation(list(MEMORY_TAGS))
+        released = free_mib()
+        await client.resume_memory_occupation([WEIGHTS_TAG])
+        await client.resume_memory_occupation([t for t in MEMORY_TAGS if t != WEIGHTS_TAG])
+        return {"released_mib": released - before, "restored_mib": released - free_mib()}
 
 
 async def run_checks(url: str, model_dir: Path, adapter_path: Path, only: list[str]) -> dict[str, Any]:
@@ -110,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = start_engine(argv, port=port, log_path=log_path, timeout_s=args.start_timeout_s)
     try:
         summary = asyncio.run(run_checks(engine_url(argv, port), model_dir, adapter, args.only))
+        summary["device_memory"] = asyncio.run(device_memory_cycle(engine_url(argv, port)))
     finally:
         engine.stop(timeout_s=30)
     print(json.dumps({"ok": summary["failed"] == 0, "log": str(log_path), **summary}, indent=2))
