@@ -1,9 +1,10 @@
 """The Slurm launcher against a real single-node Slurm (tests/slurm/conftest.py): a two-job sweep of the tiny
-recipe, a requeued job that resumes from its last checkpoint, and the wait for a Ray node that never joins.
+recipe, two jobs sharing the node, a requeued job that resumes from its last checkpoint, and the wait for a Ray node
+that never joins.
 
-The commands are the README's ("Running on a Slurm cluster"). Each job asks for both cores of the 2-core node
-(cpus_per_task=2), so Slurm runs the sweep's jobs one after the other; each job's servers choose their ports on the
-node when it starts.
+The commands are the README's ("Running on a Slurm cluster"). Most jobs ask for both cores of the 2-core node
+(cpus_per_task=2), so Slurm runs a sweep's jobs one after the other; with one core each, two run side by side. Each
+job's servers choose their ports on the node when it starts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from miles_runner.core.faults import EXPECT_MISSING_NODE
+from miles_runner.loops.single_adapter import STARTUP_FILE
+from miles_runner.plan.record import read_ports
 from miles_runner.slurm.jobs import job_states
 from miles_runner.slurm.submit import read_manifest
 from miles_runner.tracking.job_result import COMPLETED, FAILED, read_result
@@ -135,6 +138,21 @@ def test_a_two_job_sweep_completes_in_separate_folders_and_status_reports_them(s
     assert "sweep summary: 2 jobs: 2 completed" in status
     waits = [first_step_at[j] - manifest.submitted_at for j in first_step_at]
     record_figure("sweep_submit_to_first_step_s", {"per_job": waits, "median": statistics.median(waits)})
+
+
+def test_two_jobs_sharing_the_node_run_side_by_side_each_on_ports_of_its_own(slurm_cluster, tmp_path):
+    # One core each: Slurm runs both jobs at once on the 2-core node, as two users' jobs share a GPU node.
+    sweep_dir = tmp_path / "shared"
+    shared_node = ["hydra/launcher=miles_slurm", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem=4G"]
+    wait = ["hydra.launcher.wait=true", "hydra.launcher.poll_interval_s=1", f"hydra.sweep.dir={sweep_dir}"]
+    miles_run("-m", *TINY, *shared_node, "algorithm.num_steps=3", "run.seed=1,2", *wait, timeout=560)
+    folders = [Path(job.job_dir) for job in read_manifest(sweep_dir).jobs]
+    for folder in folders:
+        assert read_result(folder).status == COMPLETED and steps_of(folder) == [0, 1, 2]
+    first, second = (read_ports(folder) for folder in folders)
+    assert first and second and not set(first.values()) & set(second.values())
+    spans = [json.loads((folder / STARTUP_FILE).read_text()) for folder in folders]
+    assert all(a["loop_started"] < b["loop_ended"] for a, b in (spans, spans[::-1])), "the jobs ran one after the other"
 
 
 def test_a_requeued_job_resumes_from_its_last_checkpoint(slurm_cluster, tmp_path):
