@@ -16,6 +16,7 @@ Targets (trainer.offload_target):
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -30,13 +31,14 @@ from miles_runner.core.host_memory import return_freed_pages
 from miles_runner.plan.model import Plan
 
 CPU = torch.device("cpu")
+PIECE, LAST_PIECE = "#", "$"  # chunk entries are `<tensor key>#<i>`, the tensor's last piece ending in `$`
 
 
 @dataclass(frozen=True)
 class OffloadSettings:
     target: str  # cpu | disk
     disk_dir: str = ""  # "": $SCRATCH (else the system's temporary folder)/miles_train_offload_<uid>
-    chunk_mb: int = 64
+    chunk_mb: float = 64
 
     def folder(self, rank: int) -> Path:
         root = Path(self.disk_dir) if self.disk_dir else default_disk_dir()
@@ -67,7 +69,9 @@ class TrainStateOffload:
         self.settings, self.model, self.optimizer, self.rank = settings, model, optimizer, rank
         self.offloaded = False
         self._devices: dict[str, torch.device] = {}  # where each tensor lives while resident (cpu target)
+        self._layouts: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}  # disk target: to rebuild them
         self._chunks: list[Path] = []  # disk target: the files holding the offloaded tensors
+        self._cleanup_registered = False
 
     def offload(self) -> OffloadReport:
         if self.offloaded:
@@ -145,41 +149,62 @@ class TrainStateOffload:
     # ---- disk target ----
 
     def _to_disk(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Write the tensors as pieces of at most chunk_mb, packed into chunk files of at most chunk_mb, freeing each
+        tensor once its last piece is written (the peak stays one chunk above the state)."""
         from safetensors.torch import save_file
 
         folder = self.settings.folder(self.rank)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        self._devices = {key: t.device for key, t in tensors.items()}
-        limit, moved = self.settings.chunk_mb * 2**20, 0
-        for index, chunk in enumerate(_chunks(tensors, limit)):
+        if not self._cleanup_registered:  # a run that ends while offloaded leaves no chunks behind
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            self._cleanup_registered = True
+        self._layouts = {key: (t.shape, t.dtype, t.device) for key, t in tensors.items()}
+        limit, moved = int(self.settings.chunk_mb * 2**20), 0
+        for index, chunk in enumerate(_chunks(_pieces(tensors, limit), limit)):
             path = folder / f"chunk{index:05d}.safetensors"
-            save_file({key: t.detach().cpu().contiguous() for key, t in chunk.items()}, path)
+            save_file({name: piece.detach().cpu().contiguous() for name, piece in chunk.items()}, path)
             self._chunks.append(path)
-            for key, tensor in chunk.items():
-                moved += tensor.nbytes
-                self._put(key, None)
+            for name, piece in chunk.items():
+                moved += piece.nbytes
+                if name.endswith(LAST_PIECE):  # the tensor's last piece: all of it is on disk
+                    self._put(name.split(PIECE)[0], None)
         return moved
 
     def _from_disk(self) -> int:
         from safetensors.torch import load_file
 
-        moved = 0
+        moved, filled = 0, {key: 0 for key in self._layouts}
+        buffers = {key: torch.empty(shape.numel(), dtype=dtype) for key, (shape, dtype, _) in self._layouts.items()}
         for path in self._chunks:
-            for key, tensor in load_file(path).items():
-                self._put(key, tensor.to(self._devices.get(key, CPU)))
-                moved += tensor.nbytes
+            for name, piece in load_file(path).items():
+                key = name.split(PIECE)[0]
+                buffers[key][filled[key] : filled[key] + piece.numel()] = piece
+                filled[key] += piece.numel()
+                moved += piece.nbytes
             path.unlink()
+        for key, (shape, _, device) in self._layouts.items():
+            self._put(key, buffers[key].view(shape).to(device))
         self._chunks = []
         shutil.rmtree(self.settings.folder(self.rank), ignore_errors=True)
         return moved
 
 
-def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The tensors in groups of at most `limit` bytes (a larger tensor is a chunk of its own)."""
+def _pieces(tensors: dict[str, torch.Tensor], limit: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor as flat pieces of at most `limit` bytes, named `key#i`; the last one `key#i$`."""
+    for key, tensor in tensors.items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, limit // max(1, tensor.element_size()))
+        starts = range(0, max(1, flat.numel()), step)
+        for i, start in enumerate(starts):
+            yield f"{key}{PIECE}{i}{LAST_PIECE if i == len(starts) - 1 else ''}", flat[start : start + step]
+
+
+def _chunks(pieces: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The pieces in groups of at most `limit` bytes."""
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for key, tensor in tensors.items():
+    for key, tensor in pieces:
         if chunk and size + tensor.nbytes > limit:
             yield chunk
             chunk, size = {}, 0
