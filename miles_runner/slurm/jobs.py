@@ -1,5 +1,9 @@
 """Job states without an accounting database: `squeue` while a job is queued or running, `scontrol show job`
-for a while after it ended, then the job folder's result.json (how the run itself says it ended)."""
+for a while after it ended, then the job folder's result.json (how the run itself says it ended).
+
+A query the controller does not answer (a busy or restarting slurmctld: "Unable to contact slurm controller",
+"Socket timed out") says nothing about the job: its state is UNREACHABLE, which is not an end, and the next poll
+asks again. Only Slurm's own "Invalid job id specified" means it has forgotten the job."""
 
 from __future__ import annotations
 
@@ -25,7 +29,25 @@ ACTIVE = {
     "STOPPED",
     "SIGNALING",
     "STAGE_OUT",
+    "UNREACHABLE",  # not Slurm's: the controller did not answer this poll (not an end)
 }
+UNREACHABLE = "UNREACHABLE"
+FORGOTTEN = "Invalid job id specified"  # what squeue and scontrol answer for a job the controller no longer holds
+
+
+class SlurmUnreachable(RuntimeError):
+    """The controller did not answer a query."""
+
+
+def slurm_query(argv: list[str]) -> str | None:
+    """The query's output; None where Slurm says it does not know the job; SlurmUnreachable where it did not
+    answer."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode == 0:
+        return done.stdout
+    if FORGOTTEN in done.stderr:
+        return None
+    raise SlurmUnreachable(f"{' '.join(argv[:2])}: {done.stderr.strip() or f'exit code {done.returncode}'}")
 
 
 @dataclass(frozen=True)
@@ -42,9 +64,7 @@ class JobState:
 
 def queue_states(array_job_id: str) -> dict[str, tuple[str, str]]:
     """job id (ARRAY_TASK) -> (state, node list) for the array's tasks still in the queue."""
-    out = subprocess.run(
-        ["squeue", "-h", "-r", "-j", array_job_id, "-o", "%i|%T|%N"], capture_output=True, text=True
-    ).stdout
+    out = slurm_query(["squeue", "-h", "-r", "-j", array_job_id, "-o", "%i|%T|%N"]) or ""
     states = {}
     for line in out.splitlines():
         job_id, state, nodes = [*line.split("|"), "", ""][:3]
@@ -53,7 +73,9 @@ def queue_states(array_job_id: str) -> dict[str, tuple[str, str]]:
 
 
 def scontrol_state(job_id: str) -> tuple[str, str] | None:
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    out = slurm_query(["scontrol", "show", "job", job_id])
+    if out is None:
+        return None
     state = re.search(r"\bJobState=(\S+)", out)
     nodes = re.search(r"\bNodeList=(\S+)", out)
     if not state:
@@ -62,15 +84,23 @@ def scontrol_state(job_id: str) -> tuple[str, str] | None:
 
 
 def job_states(manifest: Manifest) -> list[JobState]:
-    queued = queue_states(manifest.array_job_id)
-    states = []
-    for job in manifest.jobs:
-        result = read_result(Path(job.job_dir))
-        found = queued.get(job.job_id) or scontrol_state(job.job_id)
-        if found is None:  # Slurm has forgotten it: the run's own record is all there is
-            found = (result.status.upper() if result else "UNKNOWN", "")
-        states.append(JobState(job, found[0], found[1], result))
-    return states
+    try:
+        queued = queue_states(manifest.array_job_id)
+    except SlurmUnreachable:
+        queued = None
+    return [_job_state(job, queued) for job in manifest.jobs]
+
+
+def _job_state(job: ManifestJob, queued: dict[str, tuple[str, str]] | None) -> JobState:
+    """`queued`: squeue's answer (None: it did not answer); scontrol is asked for a job not in it."""
+    result = read_result(Path(job.job_dir))
+    try:
+        found = (queued or {}).get(job.job_id) or scontrol_state(job.job_id)
+    except SlurmUnreachable:
+        found = (UNREACHABLE, "")
+    if found is None:  # Slurm has forgotten it: the run's own record is all there is
+        found = (result.status.upper() if result else "UNKNOWN", "")
+    return JobState(job, found[0], found[1], result)
 
 
 def wait_for_jobs(manifest: Manifest, poll_s: float) -> list[JobState]:

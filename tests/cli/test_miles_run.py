@@ -49,9 +49,10 @@ def test_a_gpu_recipe_this_release_cannot_run_is_refused_with_what_is_missing(tm
     # --plan still shows what its design would run, labelled so: the Megatron-Bridge trainer at TP 8 / EP 32.
     assert out.startswith("DESIGN ONLY, NOT RUNNABLE")
     assert "megatron, 32 ranks, TP 8, EP 32" in out and "Megatron-Bridge PEFT LoRA" in out
-    # Its Megatron trainer runs, but not offloaded beside the engines (not built): the refusal says what to set.
+    # Its Megatron trainer runs offloaded beside the engines, but not with the CPU-offloaded optimizer (not built):
+    # the refusal says what to set.
     assert "megatron-offload-not-built" in err and "is not built in this release" in err
-    assert "fix: topology.offload_train=false" in err and "fix: optimizer.cpu_offload=false" in err
+    assert "fix: optimizer.cpu_offload=false" in err and "offload_train" not in err
     assert "multi-node" not in err  # its engines span two nodes each: SGLang runs them (--nnodes)
     assert not list(tmp_path.rglob("plan.yaml")), "nothing is written for a refused experiment"
 

@@ -68,8 +68,7 @@ def test_addition_r3_in_recipes(recipe, expected, plan):
 
 
 # ---- offload: colocated roles on GPUs take turns, so both offload ----
-# The design plans below leave out megatron-offload-not-built (this release runs the trainer resident), and the
-# qwen25 recipe sets both false: null hands the choice back to the derivation.
+# The qwen25 recipe sets both false: null hands the choice back to the derivation.
 DERIVED_OFFLOAD = ("topology.offload_train=null", "topology.offload_rollout=null")
 
 
