@@ -216,7 +216,7 @@ class SingleAdapterLoop:
             elif parts.offload:
                 await parts.offload.onload_rest(step)
             if parts.offload:
-                sync_metrics["offload/seconds"] = parts.offload.take_seconds()
+                sync_metrics.update(parts.offload.take_figures())
             record = step_record(step, samples, rollout_metrics, train_metrics, train_s, staleness)
             record.update(
                 {"weight_version": engine_version, **sync_metrics, "step/seconds": time.perf_counter() - step_started}

@@ -25,6 +25,11 @@ from miles_runner.tracking.event_log import EventLog
 from miles_runner.trainer.interface import Trainer
 
 OFFLOAD_EVENTS_FILE = "offload_events.jsonl"
+MB = 2**20
+
+
+def empty_figures() -> dict[str, float]:
+    return {"offload/seconds": 0.0, "offload/engine_freed_mb": 0.0, "offload/trainer_moved_mb": 0.0}
 
 
 class StepOffload:
@@ -36,12 +41,13 @@ class StepOffload:
         """`tags`: empty when the engines stay resident; `trainer`: None when it does."""
         self.engines, self.tags, self.trainer = list(engines), list(tags), trainer
         self.events = EventLog(Path(run_dir) / OFFLOAD_EVENTS_FILE)
-        self._seconds = 0.0  # the offload calls' seconds since the last take_seconds
+        self._figures = empty_figures()  # since the last take_figures
 
-    def take_seconds(self) -> float:
-        """What the offload calls took since the last time asked (a step's `offload/seconds`)."""
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
+    def take_figures(self) -> dict[str, float]:
+        """What the offload calls took and moved since the last time asked: a step's `offload/*` metrics (the
+        seconds; the MB the engines report freed by the release, where they report it; the MB the trainer moved)."""
+        figures, self._figures = self._figures, empty_figures()
+        return figures
 
     # ---- the engines ----
 
@@ -83,9 +89,12 @@ class StepOffload:
             e.release_memory_occupation(tags) if release else e.resume_memory_occupation(tags) for e in self.engines
         ]
         await asyncio.gather(*calls)
-        seconds = time.perf_counter() - started
-        self._seconds += seconds
-        self.events.write(step, event, tags=tags, seconds=seconds, engines=await self._states())
+        seconds, states = time.perf_counter() - started, await self._states()
+        self._figures["offload/seconds"] += seconds
+        if release:
+            freed = sum(sum(state.get("freed_bytes", {}).values()) for state in states)
+            self._figures["offload/engine_freed_mb"] += freed / MB
+        self.events.write(step, event, tags=tags, seconds=seconds, engines=states)
         return seconds
 
     async def _trainer(self, step: int, event: str, *, offload: bool) -> float:
@@ -95,7 +104,9 @@ class StepOffload:
         started = time.perf_counter()
         report = await asyncio.to_thread(call)
         seconds = time.perf_counter() - started
-        self._seconds += seconds
+        self._figures["offload/seconds"] += seconds
+        if offload:
+            self._figures["offload/trainer_moved_mb"] += report["moved_bytes"] / MB
         self.events.write(step, event, seconds=seconds, **report)
         return seconds
 

@@ -63,7 +63,8 @@ def test_every_push_after_an_onload_passes_the_probe_and_the_step_records_the_of
     records, _ = offloaded_run
     assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["verify/logprob_gap"] <= 0.01 for r in records)  # the plan's bound for the embedded engine
-    assert all(r["offload/seconds"] > 0 for r in records)
+    assert all(r["offload/seconds"] > 0 and r["offload/engine_freed_mb"] > 1 for r in records)  # weights and KV
+    assert all(r["offload/trainer_moved_mb"] == 0 for r in records)  # the trainer stays
 
 
 TRAINER_ORDER = ["offload_rollout", "onload_train", "offload_train", "onload_weights", "update_weights", "onload_kv"]
@@ -97,3 +98,4 @@ def test_the_megatron_trainer_leaves_after_training_and_before_the_engines_take_
     assert all(e["chunks"] == 2 for e in events if e["event"] == "offload_train")  # 1 MB chunks
     assert not list(scratch.rglob("*.safetensors"))  # the chunks are gone once the state is back
     assert all(r["verify/logprob_gap"] <= 0.01 for r in records)  # probed with the trainer's logprobs before it left
+    assert all(r["offload/trainer_moved_mb"] > 1 for r in records)  # its frozen weights, gradients, Adam state
