@@ -23,7 +23,7 @@ from miles_runner.cli.sweep_summary import (
     summarize_sweep,
 )
 from miles_runner.tracking.job_result import COMPLETED, FAILED, INTERRUPTED, read_records, write_result
-from tests.drivers import runner_command
+from tests.drivers import run_short_sweep, runner_command
 from tests.run_files import files_named
 
 pytestmark = pytest.mark.integration
@@ -138,27 +138,8 @@ def test_a_sweep_runs_every_job_when_one_fails_and_ends_with_the_summary(tmp_pat
     """Job 0's model folder has no model, which only the engine finds out when it starts; job 1 trains."""
     empty_model = tmp_path / "empty-model"
     empty_model.mkdir()
-    done = subprocess.run(
-        runner_command(
-            "miles_runner.cli.main",
-            "--multirun",
-            "session=off",
-            "algorithm.num_steps=2",
-            "rollout.rollout_batch_size=2",
-            "rollout.n_samples_per_prompt=2",
-            "rollout.max_response_len=4",
-            f"run.output_root={tmp_path / 'out'}",
-            "logger=none",
-            f"model.path={empty_model},tiny:tiny-moe:format",
-        ),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    console = done.stdout + done.stderr
+    done, console, sweep = run_short_sweep(tmp_path, "session=off", f"model.path={empty_model},tiny:tiny-moe:format")
     assert done.returncode == 1, console
-    [sweep] = {p.parent.parent for p in (tmp_path / "out" / "multirun").rglob("plan.yaml")}
     failed, completed = sweep / "0", sweep / "1"
 
     # both jobs ran; the failed one printed its report as a single run does, the other its progress
