@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_runner.core.run_lock import hold_run_folder
 from miles_runner.loops.multi_lora import MultiLoRALoop
 from miles_runner.loops.single_adapter import SingleAdapterLoop
 from miles_runner.plan.model import Plan
@@ -21,10 +22,12 @@ from miles_runner.plan.secrets import require_run_key
 
 def run_plan(plan: Plan, run_dir: Path, *, resume: bool = False) -> list[dict[str, Any]]:
     """Train as the plan says; returns the step records (metrics.jsonl holds the same). A keyed run whose key
-    is not in the environment is refused before anything starts."""
+    is not in the environment is refused before anything starts; so is a second driver in the same run folder
+    (core/run_lock.py)."""
     require_run_key(plan.security.api_key_env)
     loop = MultiLoRALoop if plan.capabilities.multi_lora else SingleAdapterLoop
-    return loop(plan, Path(run_dir), resume=resume).run()
+    with hold_run_folder(run_dir):
+        return loop(plan, Path(run_dir), resume=resume).run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
