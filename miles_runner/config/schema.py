@@ -134,6 +134,9 @@ class TrainerConfig:
         ""  # offload_target=disk: "" is $SCRATCH (else the temporary folder)/miles_train_offload_<uid>
     )
     offload_disk_chunk_mb: int = 64  # miles' --offload-train-disk-chunk-mb
+    # The interpreter the trainer runs in, as a process of its own (trainer/host.py); "": in the driver's process.
+    # Megatron-Bridge needs Python 3.12: on a laptop its side environment (`make bridge-env`) hosts the trainer.
+    python: str = ""
     calculate_per_token_loss: bool = False
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int = 4096

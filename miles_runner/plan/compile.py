@@ -206,7 +206,12 @@ def build_trainer(cfg: MilesConfig, d: Derived) -> TrainerPlan:
         launch=Launch(render.trainer_argv(cfg, d), port=0, health_path=""),
         calculate_per_token_loss=cfg.trainer.calculate_per_token_loss,
         max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_gpu if cfg.trainer.use_dynamic_batch_size else 0,
+        host=_trainer_host(cfg.trainer.python),
     )
+
+
+def _trainer_host(python: str) -> Launch | None:
+    return Launch(render.trainer_host_argv(python), port=0, health_path="") if python else None
 
 
 def host_on(cfg: MilesConfig, node: int) -> str:

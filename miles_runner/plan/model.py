@@ -162,6 +162,9 @@ class TrainerPlan:
     calculate_per_token_loss: bool = False  # the loss is the mean over the step's tokens, not over its samples
     # Micro-batches hold at most this many tokens (first fit), instead of micro_batch_size samples; 0: off.
     max_tokens_per_micro_batch: int = 0
+    # trainer.python set: the trainer host's command (rank 0 in that interpreter, trainer/host.py); None: rank 0 is
+    # the driver itself.
+    host: Launch | None = None
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,17 @@ def trainer_argv(cfg: MilesConfig, d: Derived) -> list[str]:
     return [PYTHON, "-m", "miles_runner.loops.run", "."]
 
 
+TRAINER_SOCKET = "{trainer_socket}"  # filled in at start: the driver's private socket (trainer/host.py)
+
+
+def trainer_host_argv(python: str) -> list[str]:
+    """Rank 0 of the trainer in the interpreter `trainer.python` names (a path made absolute: the plan runs from
+    the run folder; a bare name is looked up on PATH); it connects to the driver, which then calls it for every
+    train, export and checkpoint."""
+    interpreter = absolute_path(python) if "/" in python else python
+    return [interpreter, "-m", "miles_runner.trainer.host", ".", "--connect", TRAINER_SOCKET]
+
+
 def trainer_rank_launch(run_dir: str, rank: int, device: int, master_address: str, master_port: int) -> Launch:
     """A follower trainer rank on device `device` of its node: it reads RUN_DIR/plan.yaml (a folder every node
     shares) and joins rank 0's group at master_address:master_port. It serves nothing (no health check)."""

@@ -112,7 +112,8 @@ def trainer_line(plan: Plan) -> str:
         line += f", LoRA r{a.rank} a{a.alpha:g} via {t.lora_mode} on [{', '.join(a.target_modules)}]"
     elif plan.multi_lora:
         line += f", multi-LoRA via {t.lora_mode}"
-    return line + (f", {train_offload_text(plan)}" if t.offload_train else "")
+    line += f", {train_offload_text(plan)}" if t.offload_train else ""
+    return line + (f", hosted by {t.host.argv[0]} (a process of its own)" if t.host else "")
 
 
 def train_offload_text(plan: Plan) -> str:
@@ -277,7 +278,9 @@ def command_lines(plan: Plan) -> list[str]:
         named.append(("session", plan.session.launch))
     if plan.multi_lora:
         named.append(("controller", plan.multi_lora.launch))
-    named.append(("driver", plan.trainer.launch))  # trainer rank 0; it starts the other ranks
+    named.append(("driver", plan.trainer.launch))  # trainer rank 0 (else the host is); it starts the other ranks
+    if plan.trainer.host:
+        named.append(("trainer", plan.trainer.host))
     width = max(len(n) for n, _ in named)
     return [f"   {name:<{width}}  {render_command(launch)}" for name, launch in named]
 

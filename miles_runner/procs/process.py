@@ -75,7 +75,7 @@ class ManagedProcess:
         self.argv = [str(arg) for arg in argv]
         self.env = dict(env or {})
         self.cwd = cwd
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path).absolute()  # a warm start's server opens it from its own folder
         self.health_url = health_url
         self.startup_timeout_s = startup_timeout_s
         self.health_timeout_s = health_timeout_s

@@ -172,6 +172,10 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
         ),
         Refused("disk-offload-needs-megatron", "disk"),
     ),
+    "trainer.python": (
+        Runs(("tests/trainer/test_trainer_host.py::test_a_hosted_trainer_trains_as_the_same_trainer_in_the_driver",)),
+        Refused("trainer-python-runs-bridge", "/no/such/python", MEGATRON_CPU),
+    ),
     "trainer.offload_disk_dir": (Runs((f"{OFFLOAD}::{TRAINER_OFFLOAD}",)),),
     "trainer.offload_disk_chunk_mb": (
         Runs((f"{OFFLOAD}::{TRAINER_OFFLOAD}",)),

@@ -335,6 +335,11 @@ CASES = [
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
+    RuleCase("trainer-python-runs-bridge", (*MEGATRON_CPU, "lora_mode=bridge"), (),
+             ("trainer.python=.venv-bridge/bin/python",)),  # `make test` builds it first
+    RuleCase("trainer-python-runs-bridge", MEGATRON_CPU, ("trainer.python=/no/such/python",), (), "missing"),
+    RuleCase("hosted-multi-lora-trainer-not-built", TINY_MULTI, ("trainer.python=python3",), ()),
+    RuleCase("hosted-trainer-multi-node-not-built", TWO_CPU_NODES, ("trainer.python=python3",), ()),
     RuleCase("megatron-offload-not-built", MEGATRON_CPU, ("optimizer.cpu_offload=true",),
              ("optimizer.cpu_offload=false",), "optimizer"),
     # ---- plug-ins ----

@@ -9,6 +9,7 @@ import inspect
 import pytest
 
 from miles_runner.trainer.fsdp import FSDPTrainer
+from miles_runner.trainer.host import HostedTrainer
 from miles_runner.trainer.interface import MultiLoRATrainer, Trainer
 from miles_runner.trainer.megatron.bridge import BridgeTrainer
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
@@ -20,6 +21,7 @@ IMPLEMENTATIONS = [
     (MegatronTrainer, Trainer),
     (BridgeTrainer, Trainer),
     (RankedTrainer, Trainer),
+    (HostedTrainer, Trainer),
     (PeftMultiLoRATrainer, MultiLoRATrainer),
     (RankedMultiLoRATrainer, MultiLoRATrainer),
 ]

@@ -25,6 +25,7 @@ Modules, one per section, in the order their rules run:
     training         estimators, optimizer, trainer and rollout switches, metrics file (more NOT_BUILT)
     security         the run's key names an environment variable
     engine_limits    the embedded engine's request limits fit the rollout's requests; SGLang has none
+    trainer_host     the trainer's own interpreter (trainer.python), and Megatron-Bridge's Python on a CPU cluster
 """
 
 # Imported for their @rule registrations. Import order is registration order, which is the order problems are
@@ -34,11 +35,11 @@ from miles_runner.plan.rules import sizes, session, fully_async, offload, weight
 from miles_runner.plan.rules import multi_lora, plugins, routing_replay, cluster, arithmetic, backends  # noqa: F401
 from miles_runner.plan.rules import megatron, weight_sync  # noqa: F401
 from miles_runner.plan.rules import model, engine_build  # noqa: F401
-from miles_runner.plan.rules import training, security, engine_limits  # noqa: F401
+from miles_runner.plan.rules import training, security, engine_limits, trainer_host  # noqa: F401
 
 # isort: on
 from miles_runner.plan.rules.base import PRECONDITIONS, RULES, Finding, RuleFn, rule
 
-NOT_BUILT = backends.NOT_BUILT + megatron.NOT_BUILT + offload.NOT_BUILT + training.NOT_BUILT
+NOT_BUILT = backends.NOT_BUILT + megatron.NOT_BUILT + offload.NOT_BUILT + training.NOT_BUILT + trainer_host.NOT_BUILT
 
 __all__ = ["NOT_BUILT", "PRECONDITIONS", "RULES", "Finding", "RuleFn", "rule"]
