@@ -46,6 +46,7 @@ BRIDGE_STAMP := $(BRIDGE_VENV)/.installed
 BRIDGE_PY ?= python3.12
 BRIDGE_PIN := $(shell sed -n 's/.*"megatron-bridge==\([^";]*\).*/\1/p' pyproject.toml)
 BRIDGE_MCORE_PIN := $(shell sed -n "s/.*\"megatron-core==\([^\";]*\); python_version >= '3.12'.*/\1/p" pyproject.toml)
+HYDRA_PIN := $(shell sed -n 's/.*"hydra-core==\([^"]*\)".*/\1/p' pyproject.toml)
 
 $(BRIDGE_STAMP): pyproject.toml Makefile
 	# PYENV_VERSION picks pyenv's 3.12 where python3.12 is a pyenv shim; elsewhere it is ignored.
@@ -58,9 +59,10 @@ $(BRIDGE_STAMP): pyproject.toml Makefile
 	$(BRIDGE_BIN)/pip install -q torch==2.9.1
 	# megatron-bridge without its dependencies (a plain install compiles fast-hadamard-transform and pulls Transformer
 	# Engine, flashinfer, megatron-core[dev], ...): exactly what its import and LoRA need, transformers within its
-	# range (<= 5.12.1), the test runner, and this project (no deps: it imports only torch, numpy and the above).
+	# range (<= 5.12.1), the test runner, and this project (no deps: it imports only torch, numpy and the above, and
+	# hydra-core, which reading a plan needs when this environment hosts a run's trainer: trainer.python).
 	$(BRIDGE_BIN)/pip install -q megatron-core==$(BRIDGE_MCORE_PIN) transformers==5.12.1 peft safetensors omegaconf \
-		einops six pybase64 pytest pytest-timeout
+		einops six pybase64 pytest pytest-timeout hydra-core==$(HYDRA_PIN)
 	$(BRIDGE_BIN)/pip install -q --no-deps megatron-bridge==$(BRIDGE_PIN)
 	$(BRIDGE_BIN)/pip install -q --no-deps -e .
 	touch $@
@@ -121,7 +123,7 @@ lint: check
 layers: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
-bench: $(STAMP)
+bench: $(STAMP) bridge-env
 	$(BIN)/python -m bench.run_all
 
 # miles-run against TRL's GRPOTrainer + peft on the same work (bench/peers, BENCHMARKS.md). TRL is never a dependency

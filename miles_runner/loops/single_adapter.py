@@ -43,8 +43,9 @@ from miles_runner.rollout.single_turn import rollout_single_turn
 from miles_runner.session.samples import Sample
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.tracking.tracker import Tracker
+from miles_runner.trainer.host import DriverTrainer, open_trainer
 from miles_runner.trainer.interface import Trainer
-from miles_runner.trainer.ranks import RankedTrainer, RemoteRanks, make_trainer
+from miles_runner.trainer.ranks import RemoteRanks
 from miles_runner.weight_sync.adapter_sync import SyncReport
 from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
 from miles_runner.weight_sync.sync import make_sync, share_trainer_adapter
@@ -138,12 +139,12 @@ class SingleAdapterLoop:
     def _stamp(self, milestone: str) -> None:
         self.stamps.setdefault(milestone, time.time())
 
-    def _build_trainer(self, remote_ranks: RemoteRanks | None) -> RankedTrainer:
-        trainer = make_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents start them
+    def _build_trainer(self, remote_ranks: RemoteRanks | None) -> DriverTrainer:
+        trainer = open_trainer(self.plan, self.run_dir, remote_ranks)  # ranks on other nodes: their agents start them
         self._stamp("trainer_built")
         return trainer
 
-    async def _train(self, deployment: Deployment, early: Future[RankedTrainer] | None) -> list[dict[str, Any]]:
+    async def _train(self, deployment: Deployment, early: Future[DriverTrainer] | None) -> list[dict[str, Any]]:
         """Build the run's parts, give the engines the trainer's adapter, train every step, save the adapter;
         everything is closed after, in reverse order."""
         plan, key = deployment.plan, deployment.api_key  # as it runs (its ports chosen); the key every server requires

@@ -206,11 +206,10 @@ DriverTrainer = RankedTrainer | HostedTrainer
 
 
 def open_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> DriverTrainer:
-    """The driver's trainer of a one-adapter plan: a host process where the plan names one, else rank 0 here."""
+    """The driver's trainer of a one-adapter plan: a host process where the plan names one, else rank 0 here.
+    `remote` starts ranks on other nodes; a hosted trainer has none (hosted-trainer-multi-node-not-built)."""
     if plan.trainer.host is None:
         return make_trainer(plan, run_dir, remote)
-    if remote is not None:  # refused at compile time (hosted-trainer-multi-node-not-built)
-        raise RuntimeError("a hosted trainer runs on the driver's node only")
     return HostedTrainer(plan, run_dir)
 
 

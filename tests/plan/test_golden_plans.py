@@ -10,7 +10,7 @@ import yaml
 
 from miles_runner.config.compose import RECIPES_DIR, ComposedConfig
 from miles_runner.core.errors import PlanError
-from miles_runner.core.paths import cache_dir, package_dir
+from miles_runner.core.paths import cache_dir, package_dir, source_checkout
 from miles_runner.plan.compile import compile_design, compile_plan
 from miles_runner.plan.model import plan_from_dict, plan_to_dict
 from miles_runner.plan.rules import NOT_BUILT
@@ -37,7 +37,9 @@ def portable(plan_dict: dict) -> str:
     """The plan as YAML with the machine's folders replaced (the model cache by <cache>, the installed package by
     <package>), so goldens hold on any clone and any install."""
     text = yaml.safe_dump(plan_dict, sort_keys=False)
-    return text.replace(str(cache_dir()), "<cache>").replace(str(package_dir()), "<package>")
+    text = text.replace(str(cache_dir()), "<cache>").replace(str(package_dir()), "<package>")
+    checkout = source_checkout()  # a twin's trainer interpreter: .venv-bridge/bin/python in the checkout
+    return text.replace(str(checkout), "<checkout>") if checkout else text
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -1,0 +1,113 @@
+"""The CPU twins of the GPU recipes, run whole through `miles-run`: what offload releases and restores per step,
+what it costs a step, and the logprob gap of every push after the engines resume.
+
+Each twin runs `--steps` steps as its recipe says (offload both ways), then again with both offloads off. From
+the run's offload events (RUN_DIR/offload_events.jsonl) and step records, medians over the steps after the first
+(which also pays the start-up's warm-up):
+
+- released: the bytes the engines report freed by `release_memory_occupation` (all of them together);
+- restored: the growth of the engines' resident memory from right after the release to right after the KV cache
+  is back (weights reloaded, adapter pushed, one probe served);
+- trainer moved: what the trainer's offload moved out (on a CPU host, target cpu moves nothing);
+- offload s: the seconds the offload calls take in a step; step s with and without offload;
+- gap: `verify/logprob_gap`, the largest |trainer - engine| logprob of the push probe, scored right after each
+  push, which lands after every resume.
+
+Writes bench/results/twins.json and its section of bench/REPORT.md. Needs the Megatron-Bridge environment
+(`make bridge-env`).
+
+    .venv/bin/python -m bench.twins [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.report import write_result
+from miles_runner.core.paths import source_checkout
+
+MB = 2**20
+TWINS = ("tiny_qwen3_30b_a3b_r3_session",)
+NO_OFFLOAD = ("topology.offload_train=false", "topology.offload_rollout=false")
+
+
+def run_twin(recipe: str, steps: int, *overrides: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix=f"twin-{recipe}-"))
+    argv = [sys.executable, "-m", "miles_runner.cli.main", f"+recipe={recipe}", f"algorithm.num_steps={steps}"]
+    argv += [f"run.output_root={root}", "logger=none", *overrides]
+    subprocess.run(argv, check=True, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True)
+    [plan] = root.rglob("plan.yaml")
+    return plan.parent
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def engine_rss(event: dict[str, Any]) -> int:
+    return sum(engine["rss_bytes"] for engine in event["engines"])
+
+
+def offload_figures(run_dir: Path) -> dict[str, float]:
+    records = jsonl(run_dir / "metrics.jsonl")[1:]
+    events = jsonl(run_dir / "offload_events.jsonl")
+    by_step: dict[int, dict[str, dict[str, Any]]] = {}
+    for event in events:
+        by_step.setdefault(event["iteration"], {})[event["event"]] = event
+    steps = [by_step[r["step"]] for r in records]
+    released = [sum(sum(e["freed_bytes"].values()) for e in s["offload_rollout"]["engines"]) / MB for s in steps]
+    restored = [(engine_rss(s["onload_kv"]) - engine_rss(s["offload_rollout"])) / MB for s in steps]
+    return {
+        "released_mb": statistics.median(released),
+        "restored_mb": statistics.median(restored),
+        "trainer_moved_mb": statistics.median(r["offload/trainer_moved_mb"] for r in records),
+        "offload_s": statistics.median(r["offload/seconds"] for r in records),
+        "step_s": statistics.median(r["step/seconds"] for r in records),
+        "gap_median": statistics.median(r["verify/logprob_gap"] for r in records),
+        "gap_max": max(r["verify/logprob_gap"] for r in records),
+    }
+
+
+def resident_step_s(run_dir: Path) -> float:
+    return statistics.median(r["step/seconds"] for r in jsonl(run_dir / "metrics.jsonl")[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    checkout = source_checkout()
+    if checkout and "MILES_BRIDGE_PYTHON" not in os.environ:
+        os.environ["MILES_BRIDGE_PYTHON"] = str(checkout / ".venv-bridge" / "bin" / "python")
+    figures: dict[str, dict[str, float]] = {}
+    for recipe in TWINS:
+        figures[recipe] = offload_figures(run_twin(recipe, args.steps))
+        figures[recipe]["resident_step_s"] = resident_step_s(run_twin(recipe, args.steps, *NO_OFFLOAD))
+    lines = [
+        f"Each twin whole through `miles-run`, {args.steps} steps (the first left out), medians per step; "
+        "released and restored are the engines' resident memory (all engines together).",
+        "",
+        "| twin | engines released MB | restored MB | trainer moved MB | offload s | step s | step s without "
+        "offload | logprob gap after resume (median, max) |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {name} | {f['released_mb']:.2f} | {f['restored_mb']:.2f} | {f['trainer_moved_mb']:.1f} | "
+            f"{f['offload_s']:.3f} | {f['step_s']:.2f} | {f['resident_step_s']:.2f} | "
+            f"{f['gap_median']:.1e}, {f['gap_max']:.1e} |"
+            for name, f in figures.items()
+        ),
+    ]
+    write_result("twins", figures, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The CPU twin of a GPU recipe runs its exact path end to end and learns: `miles-run +recipe=<twin>` with
+Megatron-Bridge LoRA (hosted by the Python 3.12 environment `make test` builds), colocated engines behind the
+real sglang-router, the session server, in_place pauses, incremental R3 replayed by the trainer, offload both
+ways and the Ray executor (tests/plan/test_twins.py holds its plan to the GPU recipe's).
+
+The control is test_learning.py's: the same run with the rollouts kept on the initial adapter (and push
+verification off, which would otherwise stop it at the first push) must not gain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from miles_runner.core.paths import source_checkout
+from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, WINDOW, gain, run_default_recipe
+from tests.run_files import files_named
+
+RUN_TIMEOUT_S = 1500  # 35 Megatron-Bridge steps through the session server, on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)]
+
+QWEN3_TWIN = "tiny_qwen3_30b_a3b_r3_session"
+# The spec's colocated step (train.py): the trainer leaves before the engines take their weights back.
+STEP_ORDER = ["offload_rollout", "onload_train", "offload_train", "onload_weights", "update_weights", "onload_kv"]
+
+
+@pytest.fixture(autouse=True)
+def bridge_python(monkeypatch):
+    """The twin's trainer interpreter, wherever the tests run from."""
+    checkout = source_checkout()
+    assert checkout is not None
+    python = checkout / ".venv-bridge" / "bin" / "python"
+    assert python.is_file(), "the Megatron-Bridge environment is missing: make bridge-env (make test builds it)"
+    monkeypatch.setenv("MILES_BRIDGE_PYTHON", str(python))
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_qwen3_twin_runs_the_gpu_path_and_learns_only_with_its_adapter(tmp_path):
+    learned = run_default_recipe(
+        tmp_path / "adapter", LEARNING_RUN, fault=False, recipe=QWEN3_TWIN, timeout_s=RUN_TIMEOUT_S
+    )
+    frozen = run_default_recipe(
+        tmp_path / "frozen", f"algorithm.num_steps={2 * WINDOW}", fault=True, recipe=QWEN3_TWIN, timeout_s=RUN_TIMEOUT_S
+    )
+    print(
+        f"gain with the adapter {gain(learned):+.3f}, with rollouts frozen on the initial adapter {gain(frozen):+.3f}"
+    )
+    assert gain(learned) >= MARGIN, learned
+    assert gain(frozen) < MARGIN, frozen
+
+    [run_dir] = [p.parent for p in files_named(tmp_path / "adapter", "plan.yaml")]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.startswith(f"# trainer: {os.environ['MILES_BRIDGE_PYTHON']} -m miles_runner.trainer.host")
+    records = jsonl(run_dir / "metrics.jsonl")
+    assert all(r["verify/logprob_gap"] <= 0.01 for r in records)  # every push, after every resume of the engines
+    assert all(r["train/routing_replay_diff_frac"] == 0.0 for r in records)  # R3: the trainer routed as the engines
+    assert all(r["offload/engine_freed_mb"] > 0 for r in records)
+    events = jsonl(run_dir / "offload_events.jsonl")
+    for step in range(len(records)):
+        order = [e["event"] for e in events if e["iteration"] == step]
+        # A checkpoint reads the trainer's state after the step (onloaded by that read), then offloads it again.
+        assert order in (STEP_ORDER, [*STEP_ORDER, "offload_train"]), (step, order)
