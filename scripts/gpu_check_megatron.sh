@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # GPU check of the Megatron trainer: the tiny recipe (tiny_lora_agentic: tiny-moe, attention LoRA, GRPO on
-# count_retry) with trainer=megatron against real SGLang on one GPU, first lora_mode=raw, then lora_mode=bridge.
-# Prints each run's reward per step and the trainer/engine logprob mismatch figures from its metrics.jsonl:
+# count_retry) with trainer=megatron against real SGLang on one GPU, first lora_mode=raw, then lora_mode=bridge;
+# then the CPU twin of qwen3_30b_a3b_r3_session (`twin`: Bridge LoRA, router, session v1, in_place, R3, offload
+# both ways) on that GPU with real SGLang. Prints each run's reward per step and the trainer/engine logprob
+# mismatch figures from its metrics.jsonl (and for the twin what offload costs and frees):
 #   train/logprob_abs_diff  mean |trainer - rollout| logprob over the trained tokens of the step
 #   verify/logprob_gap      the push probe's |trainer - engine| gap right after each adapter push (the run fails
-#                           when it passes sync.max_logprob_gap: 0.05 for SGLang unless MAX_LOGPROB_GAP says)
+#                           when it passes sync.max_logprob_gap: 0.05 for SGLang unless MAX_LOGPROB_GAP says);
+#                           under offload every push follows a resume of the engine's memory
+#   offload/seconds         (twin) the seconds the step's release/resume and trainer offload calls took
+#   GPU MB used             (twin) nvidia-smi's used memory sampled every 0.2 s through the run: the lowest (engine
+#                           released, trainer offloaded) and the highest, i.e. what offload gives back and takes
 #
-#   scripts/gpu_check_megatron.sh [--plan-only] [--skip-install] [--only raw|bridge] [--summarize DIR]
+#   scripts/gpu_check_megatron.sh [--plan-only] [--skip-install] [--only raw|bridge|twin] [--summarize DIR]
 #
 #   --plan-only      compile the plans it would run (`miles-run ... --plan`) and stop; needs no GPU (MILES_RUN
 #                    names the miles-run to use, default .venv/bin/miles-run)
@@ -31,13 +37,13 @@ cd "$REPO_ROOT"
 PLAN_ONLY=0
 SKIP_INSTALL=0
 SUMMARIZE=""
-MODES=(raw bridge)
+MODES=(raw bridge twin)
 while (($#)); do
     case "$1" in
         --plan-only) PLAN_ONLY=1 ;;
         --skip-install) SKIP_INSTALL=1 ;;
         --only)
-            [[ "${2:-}" == raw || "${2:-}" == bridge ]] || { echo "--only takes raw or bridge" >&2; exit 2; }
+            [[ "${2:-}" =~ ^(raw|bridge|twin)$ ]] || { echo "--only takes raw, bridge or twin" >&2; exit 2; }
             MODES=("$2")
             shift
             ;;
@@ -59,14 +65,20 @@ RUN_TIMEOUT_S="${RUN_TIMEOUT_S:-240}"
 export MILES_CACHE_DIR="${MILES_CACHE_DIR:-$REPO_ROOT/.cache}"
 export HF_HUB_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
-# What a tiny model + SGLang + Megatron plan needs on one GPU: the trainer and the engine stay resident side by side
-# (offload is refused: megatron-offload-not-built), so the engine takes a small share of the memory; no CUDA
-# graphs (a faster start); the triton attention backend takes the tiny model's head size (16).
+# What a tiny model + SGLang + Megatron plan needs on one GPU: the engine takes a small share of the memory; no CUDA
+# graphs (a faster start); the triton attention backend takes the tiny model's head size (16). The raw and bridge
+# runs keep the trainer and the engine resident side by side; the twin offloads both ways, as its GPU recipe does,
+# with its one trainer rank and one engine on the one GPU, in this environment's Python (trainer.python empty).
 run_overrides() {
-    local mode="$1"
-    local overrides=(
-        +recipe=tiny_lora_agentic trainer=megatron "lora_mode=$mode" engine=sglang cluster=gpu_1x
-        topology.offload_train=false topology.offload_rollout=false
+    local mode="$1" overrides
+    if [[ "$mode" == twin ]]; then
+        overrides=(+recipe=tiny_qwen3_30b_a3b_r3_session engine=sglang cluster=gpu_1x "trainer.python=''"
+            topology.actor_num_gpus_per_node=1 trainer.parallel.ep=1)
+    else
+        overrides=(+recipe=tiny_lora_agentic trainer=megatron "lora_mode=$mode" engine=sglang cluster=gpu_1x
+            topology.offload_train=false topology.offload_rollout=false)
+    fi
+    overrides+=(
         engine.enable_cuda_graph=false engine.mem_fraction_static=0.3 'engine.extra_args=[--attention-backend,triton]'
         "algorithm.num_steps=$STEPS" "run.output_root=$WORK_DIR/$mode"
     )
@@ -80,9 +92,9 @@ plan_all() {
     local miles_run="$1" mode failed=0
     for mode in "${MODES[@]}"; do
         mapfile -t overrides < <(run_overrides "$mode")
-        echo "== plan lora_mode=$mode"
+        echo "== plan $mode"
         if ! "$miles_run" "${overrides[@]}" --plan; then
-            echo "FAIL: the lora_mode=$mode plan does not compile" >&2
+            echo "FAIL: the $mode plan does not compile" >&2
             failed=1
         fi
     done
@@ -128,6 +140,8 @@ if not found:
     sys.exit(f"no metrics.jsonl under {folder}")
 records = [json.loads(line) for line in found[-1].read_text().splitlines() if line.strip()]
 keys = ("reward/mean", "train/logprob_abs_diff", "verify/logprob_gap")
+if "offload/seconds" in records[0]:
+    keys += ("offload/seconds",)
 
 
 def cell(value):
@@ -142,6 +156,9 @@ for key in keys:
     values = [r.get(key) for r in records]
     if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in values):
         problems.append(f"{key} missing or not finite in some step")
+samples = folder / "gpu_memory_mb.txt"
+if samples.exists() and (used := [int(x) for x in samples.read_text().split()]):
+    print(f"GPU MB used through the run: lowest {min(used)}, highest {max(used)} ({len(used)} samples)")
 sys.exit("; ".join(problems) or None)
 EOF
 }
@@ -149,14 +166,19 @@ EOF
 run_mode() {
     local mode="$1" log="$WORK_DIR/$1.log" started=$SECONDS
     mapfile -t overrides < <(run_overrides "$mode")
-    echo "== run lora_mode=$mode ($STEPS steps, at most ${RUN_TIMEOUT_S}s; log $log)"
-    if ! timeout --kill-after=30 "$RUN_TIMEOUT_S" "$GPU_VENV/bin/miles-run" "${overrides[@]}" >"$log" 2>&1; then
-        echo "FAIL: lora_mode=$mode run failed or timed out after $((SECONDS - started))s; its log ends:" >&2
+    echo "== run $mode ($STEPS steps, at most ${RUN_TIMEOUT_S}s; log $log)"
+    mkdir -p "$WORK_DIR/$mode"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$WORK_DIR/$mode/gpu_memory_mb.txt" &
+    local sampler=$! code=0
+    timeout --kill-after=30 "$RUN_TIMEOUT_S" "$GPU_VENV/bin/miles-run" "${overrides[@]}" >"$log" 2>&1 || code=$?
+    kill "$sampler" 2>/dev/null || true
+    if ((code)); then
+        echo "FAIL: $mode run failed or timed out after $((SECONDS - started))s; its log ends:" >&2
         tail -n 40 "$log" >&2
         return 1
     fi
-    echo "lora_mode=$mode finished in $((SECONDS - started))s"
-    summarize "$WORK_DIR/$mode" || { echo "FAIL: lora_mode=$mode figures" >&2; return 1; }
+    echo "$mode finished in $((SECONDS - started))s"
+    summarize "$WORK_DIR/$mode" || { echo "FAIL: $mode figures" >&2; return 1; }
 }
 
 if [[ -n "$SUMMARIZE" ]]; then

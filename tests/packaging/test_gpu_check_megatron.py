@@ -29,15 +29,18 @@ def run_script(*args: str, timeout_s: float = 120, **env: str) -> subprocess.Com
     )
 
 
-def test_plan_only_compiles_the_raw_and_bridge_plans_it_runs(tmp_path: Path) -> None:
+def test_plan_only_compiles_the_raw_bridge_and_twin_plans_it_runs(tmp_path: Path) -> None:
     done = run_script("--plan-only", WORK_DIR=str(tmp_path), MILES_RUN=str(Path(sys.executable).with_name("miles-run")))
     assert done.returncode == 0, done.stdout + done.stderr
-    for mode in ("raw", "bridge"):
+    for mode, lora_mode in (("raw", "raw"), ("bridge", "bridge"), ("twin", "bridge")):
         (plan_file,) = (tmp_path / mode).rglob("plan.yaml")
         plan = yaml.safe_load(plan_file.read_text())
-        assert (plan["trainer"]["backend"], plan["trainer"]["lora_mode"]) == ("megatron", mode)
+        assert (plan["trainer"]["backend"], plan["trainer"]["lora_mode"]) == ("megatron", lora_mode)
         assert [e["kind"] for e in plan["engines"]] == ["sglang"] and not plan["cluster"]["cpu_only"]
         assert plan["batch"]["num_steps"] == 3
+    twin = yaml.safe_load(next((tmp_path / "twin").rglob("plan.yaml")).read_text())
+    assert twin["capabilities"]["offload_rollout"] and twin["capabilities"]["offload_train"]
+    assert twin["trainer"]["host"] is None and twin["router"] and twin["session"]  # the driver holds the trainer
 
 
 def write_metrics(folder: Path, records: list[dict]) -> None:
