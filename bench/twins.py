@@ -1,9 +1,10 @@
 """The CPU twins of the GPU recipes, run whole through `miles-run`: what offload releases and restores per step,
 what it costs a step, and the logprob gap of every push after the engines resume.
 
-Each twin runs `--steps` steps as its recipe says (offload both ways), then again with both offloads off. From
-the run's offload events (RUN_DIR/offload_events.jsonl) and step records, medians over the steps after the first
-(which also pays the start-up's warm-up):
+Each twin runs `--steps` steps as its recipe says (offload both ways), then again with both offloads off, twice in
+turns (a slow spell of a shared machine hits both alike). From the runs' offload events
+(RUN_DIR/offload_events.jsonl) and step records, medians over the steps after the first of each run (which also
+pays the start-up's warm-up):
 
 - released: the bytes the engines report freed by `release_memory_occupation` (all of them together);
 - restored: the growth of the engines' resident memory from right after the release to right after the KV cache
@@ -37,6 +38,7 @@ from miles_runner.core.paths import source_checkout
 MB = 2**20
 TWINS = ("tiny_qwen3_30b_a3b_r3_session",)
 NO_OFFLOAD = ("topology.offload_train=false", "topology.offload_rollout=false")
+ROUNDS = 2
 
 
 def run_twin(recipe: str, steps: int, *overrides: str) -> Path:
@@ -89,10 +91,17 @@ def main() -> None:
         os.environ["MILES_BRIDGE_PYTHON"] = str(checkout / ".venv-bridge" / "bin" / "python")
     figures: dict[str, dict[str, float]] = {}
     for recipe in TWINS:
-        figures[recipe] = offload_figures(run_twin(recipe, args.steps))
-        figures[recipe]["resident_step_s"] = resident_step_s(run_twin(recipe, args.steps, *NO_OFFLOAD))
+        # With and without offload in turns (ABAB), so that a slow spell of a shared machine hits both alike.
+        on: list[dict[str, float]] = []
+        off: list[float] = []
+        for _ in range(ROUNDS):
+            on.append(offload_figures(run_twin(recipe, args.steps)))
+            off.append(resident_step_s(run_twin(recipe, args.steps, *NO_OFFLOAD)))
+        figures[recipe] = {key: statistics.median(f[key] for f in on) for key in on[0]}
+        figures[recipe]["resident_step_s"] = statistics.median(off)
     lines = [
-        f"Each twin whole through `miles-run`, {args.steps} steps (the first left out), medians per step; "
+        f"Each twin whole through `miles-run`, {ROUNDS} x {args.steps} steps each way (the first of each run left "
+        "out), medians per step; "
         "released and restored are the engines' resident memory (all engines together).",
         "",
         "| twin | engines released MB | restored MB | trainer moved MB | offload s | step s | step s without "
