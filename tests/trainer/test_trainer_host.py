@@ -89,3 +89,23 @@ def test_a_host_that_dies_is_named_with_its_log(tmp_path):
         assert failure.value.log_path == str(run_dir / "logs" / "trainer.log")
     finally:
         hosted.close()
+
+
+def test_a_checkpoint_crosses_to_a_new_host_whole(tmp_path):
+    """What a resume does: the state one host saved (adapter, optimizer, RNG, step) loads into a fresh host."""
+    plan, run_dir = recorded_plan(tmp_path, f"trainer.python={sys.executable}")
+    first = HostedTrainer(plan, run_dir)
+    try:
+        one_step(first)
+        state = first.state_dict()
+        want = one_step(first)  # the step after the checkpoint
+    finally:
+        first.close()
+    second = HostedTrainer(plan, run_dir)
+    try:
+        second.load_state_dict(state)
+        got = one_step(second)
+    finally:
+        second.close()
+    assert got[0] == want[0]
+    assert all(got[1][k].equal(want[1][k]) for k in want[1])
