@@ -4,15 +4,18 @@ interpreter; the CPU twins run Megatron-Bridge's (tests/loops/test_twins.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from miles_runner.core.errors import ComponentFailure
+from miles_runner.plan.model import Plan
 from miles_runner.trainer.host import HostedTrainer, TrainerHostError, open_trainer
 from miles_runner.trainer.ranks import RankedTrainer
 from tests.trainer.test_ranks import recorded_plan, samples
@@ -67,45 +70,41 @@ def hosted_processes(run_dir: Path) -> list[int]:
     return found
 
 
-def test_a_failed_call_raises_the_hosts_error_and_the_host_serves_on(tmp_path):
+@contextlib.contextmanager
+def hosted_trainer(tmp_path: Path) -> Iterator[tuple[HostedTrainer, Plan, Path]]:
+    """A host of this interpreter for the CPU default plan, closed after the body."""
     plan, run_dir = recorded_plan(tmp_path, f"trainer.python={sys.executable}")
     hosted = HostedTrainer(plan, run_dir)
     try:
-        with pytest.raises(TrainerHostError, match=r"KeyError: 'adapter'\n\(trainer host traceback\)"):
-            hosted.load_state_dict({})
-        assert hosted.adapter_config()["r"] == plan.adapters[0].rank  # still serving
+        yield hosted, plan, run_dir
     finally:
         hosted.close()
 
 
+def test_a_failed_call_raises_the_hosts_error_and_the_host_serves_on(tmp_path):
+    with hosted_trainer(tmp_path) as (hosted, plan, _):
+        with pytest.raises(TrainerHostError, match=r"KeyError: 'adapter'\n\(trainer host traceback\)"):
+            hosted.load_state_dict({})
+        assert hosted.adapter_config()["r"] == plan.adapters[0].rank  # still serving
+
+
 def test_a_host_that_dies_is_named_with_its_log(tmp_path):
-    plan, run_dir = recorded_plan(tmp_path, f"trainer.python={sys.executable}")
-    hosted = HostedTrainer(plan, run_dir)
-    try:
+    with hosted_trainer(tmp_path) as (hosted, _, run_dir):
         [pid] = hosted_processes(run_dir)
         os.kill(pid, signal.SIGKILL)  # injected fault: the host is OOM-killed
         with pytest.raises(ComponentFailure, match=r"trainer.*exited with code -9") as failure:
             hosted.train(samples(0, 4, 8, 0))
         assert failure.value.log_path == str(run_dir / "logs" / "trainer.log")
-    finally:
-        hosted.close()
 
 
 def test_a_checkpoint_crosses_to_a_new_host_whole(tmp_path):
     """What a resume does: the state one host saved (adapter, optimizer, RNG, step) loads into a fresh host."""
-    plan, run_dir = recorded_plan(tmp_path, f"trainer.python={sys.executable}")
-    first = HostedTrainer(plan, run_dir)
-    try:
+    with hosted_trainer(tmp_path / "first") as (first, _, _):
         one_step(first)
         state = first.state_dict()
         want = one_step(first)  # the step after the checkpoint
-    finally:
-        first.close()
-    second = HostedTrainer(plan, run_dir)
-    try:
+    with hosted_trainer(tmp_path / "second") as (second, _, _):
         second.load_state_dict(state)
         got = one_step(second)
-    finally:
-        second.close()
     assert got[0] == want[0]
     assert all(got[1][k].equal(want[1][k]) for k in want[1])
