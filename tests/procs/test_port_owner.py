@@ -17,7 +17,7 @@ import pytest
 
 from miles_runner.procs import listeners, process
 from miles_runner.procs.listeners import PortOwners
-from miles_runner.procs.ports import free_port, port_holders
+from miles_runner.procs.ports import free_port
 from miles_runner.procs.process import ManagedProcess, ProcessStartError
 from miles_runner.procs.warm import WARM_START_ENV, WARM_START_OFF
 
@@ -88,7 +88,9 @@ def test_a_server_that_binds_in_a_child_process_is_healthy(tmp_path: Path) -> No
     port = free_port()
     with managed(tmp_path, port_server(port, "--in-child"), port) as server:
         assert server.port_owners() == PortOwners(ours=1, others=())
-        (holder,) = port_holders(port)
+        # The listening socket's holder: any process's outgoing connection may have `port` as its local port too.
+        listening = {s.link: s.uid for s in listeners.tcp_sockets() or () if s.port == port and s.listening}
+        (holder,) = listeners.describe_holders(listening)
         assert not holder.startswith(f"pid {server.pid} ")  # the child holds it, not the process started
 
 
