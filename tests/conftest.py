@@ -76,6 +76,7 @@ def build_tiny_models(config: pytest.Config) -> None:
     from miles_runner.models.tiny_model import ensure_tiny_model
 
     ensure_tiny_model("tiny-dense")
+    ensure_tiny_model("tiny-glm5")
     ensure_format_pretrained("tiny-moe")
 
 

@@ -23,6 +23,8 @@ def expand_target_modules(
     out: list[str] = []
     for name in targets:
         if name in ALL_ALIASES:
+            # miles' expansion (docs/system.md §1.2 rule 19): the standard names stay for an MLA model too, where
+            # they match nothing; only names written out are checked against the model (lora-target-not-in-model).
             expanded = list(STANDARD_LINEAR)
             if kv_lora_rank:
                 expanded += MLA_KV
@@ -37,3 +39,12 @@ def expand_target_modules(
 def is_known_module(name: str) -> bool:
     """Wildcards and dotted paths pass: they address modules the model defines."""
     return name in KNOWN_MODULES or name in ALL_ALIASES or "*" in name or "." in name
+
+
+def absent_modules(*, kv_lora_rank: int, q_lora_rank: int) -> frozenset[str]:
+    """The attention linears a model does not have: MLA (kv_lora_rank > 0) projects keys and values through
+    kv_a_proj_with_mqa and kv_b_proj (no k_proj, v_proj), and queries through q_a_proj and q_b_proj when it has a
+    query rank (else q_proj); standard attention has none of the MLA ones."""
+    if not kv_lora_rank:
+        return frozenset(MLA_KV + MLA_Q)
+    return frozenset(("k_proj", "v_proj") + (("q_proj",) if q_lora_rank else MLA_Q))

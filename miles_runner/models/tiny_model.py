@@ -6,6 +6,8 @@ model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja):
 - ``tiny-moe``: a Qwen3-MoE causal LM (2 layers, hidden 64, 8 experts, top-2) whose routers give real
   per-token expert choices (R3 routing replay).
 - ``tiny-dense``: a Qwen3 dense causal LM of the same width.
+- ``tiny-glm5``: a GLM-5 (``glm_moe_dsa``) causal LM of the same width: MLA attention, a DSA indexer that keeps
+  every token of its context, a dense first layer, then 4 routed experts (top-2) and a shared expert.
 
 The tokenizer is a byte-level BPE trained here on a small embedded corpus (digits, arithmetic, chat words,
 answer formats), about 400 tokens, with ChatML special tokens and a chat template that honours
@@ -13,12 +15,13 @@ answer formats), about 400 tokens, with ChatML special tokens and a chat templat
 can steer the model within a few RL steps.
 
 Public API (other components rely on it):
-- ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1) -> Path`` writes one folder.
+- ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1, name=None) -> Path`` writes one folder
+  (``name`` picks any of ``TINY_MODEL_NAMES``; without it ``dense`` picks tiny-dense or tiny-moe).
 - ``ensure_tiny_model(name="tiny-moe", cache_dir=None, seed=0) -> Path`` returns the cached folder
   ``<cache>/models/<name>-seed<seed>`` (``miles_runner.core.paths.cache_dir``: $MILES_CACHE_DIR, else a
   source checkout's .cache/, else the user's cache folder), building it when missing or incomplete. Builds go to a temp
   folder that is renamed into place, so a crash never leaves a half model.
-- CLI: ``python -m miles_runner.models.tiny_model DIR [--dense] [--seed N]``.
+- CLI: ``python -m miles_runner.models.tiny_model DIR [--dense | --name NAME] [--seed N]``.
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from miles_runner.core.paths import model_cache_dir
 from miles_runner.core.tiny_shapes import TINY_SHAPES
 
-TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense")
+TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense", "tiny-glm5")
 # Bump when the builder's output changes, so cached folders are rebuilt.
 BUILDER_VERSION = 1
 COMPLETE_MARKER = "tiny_model.json"
+# The models whose marker predates its "name" key (``dense`` tells them apart): their markers stay as they were, so
+# their cached folders stay complete.
+UNNAMED_MARKERS = ("tiny-moe", "tiny-dense")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = TINY_SHAPES["tiny-moe"]["vocab_size"]
@@ -111,12 +118,33 @@ def build_tokenizer(out_dir: Path) -> int:
     return len(wrapped)
 
 
-def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, init_std: float):
-    shape = dict(TINY_SHAPES["tiny-dense" if dense else "tiny-moe"])
+def _model_name(name: str | None, dense: bool) -> str:
+    return name if name is not None else ("tiny-dense" if dense else "tiny-moe")
+
+
+def _glm5_config(shape: dict[str, Any], extra: dict[str, Any]) -> Any:
+    from transformers import GlmMoeDsaConfig
+
+    config = GlmMoeDsaConfig(
+        **shape,
+        **extra,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        # Megatron-Bridge's GLM-5 bridge reads this key, which the config only writes when it is given.
+        indexer_rope_interleave=False,
+        num_nextn_predict_layers=0,
+    )
+    # transformers 5.12 (Megatron-Bridge's) also reads a `num_experts` key, 256 when absent; newer versions fold it
+    # into n_routed_experts. Written, so that every version sees one expert count.
+    config.num_experts = shape["n_routed_experts"]
+    return config
+
+
+def _model_config(vocab_size: int, token_ids: dict[str, int], *, name: str, init_std: float) -> Any:
+    shape = dict(TINY_SHAPES[name])
     if vocab_size != shape["vocab_size"]:
         raise RuntimeError(f"the embedded tokenizer has {vocab_size} tokens; TINY_SHAPES says {shape['vocab_size']}")
     model_type = shape.pop("model_type")
-    extra = dict(
+    extra: dict[str, Any] = dict(
         initializer_range=init_std,
         tie_word_embeddings=False,
         sliding_window=None,
@@ -124,6 +152,9 @@ def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, in
         eos_token_id=token_ids["<|im_end|>"],
         pad_token_id=token_ids["<|endoftext|>"],
     )
+    if model_type == "glm_moe_dsa":
+        del extra["sliding_window"]  # full attention; GLM-5's config has no such key
+        return _glm5_config(shape, extra)
     if model_type == "qwen3":
         from transformers import Qwen3Config
 
@@ -133,7 +164,9 @@ def _model_config(vocab_size: int, token_ids: dict[str, int], *, dense: bool, in
     return Qwen3MoeConfig(**shape, **extra)
 
 
-def build_tiny_model(out_dir: str | Path, *, dense: bool = False, seed: int = 0, init_std: float = 0.1) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, *, dense: bool = False, seed: int = 0, init_std: float = 0.1, name: str | None = None
+) -> Path:
     """Write a complete tiny model folder (weights, config, tokenizer, chat template) to ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -142,27 +175,35 @@ def build_tiny_model(out_dir: str | Path, *, dense: bool = False, seed: int = 0,
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = build_tokenizer(out)
     token_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = _model_config(vocab_size, token_ids, dense=dense, init_std=init_std)
+    model_name = _model_name(name, dense)
+    config = _model_config(vocab_size, token_ids, name=model_name, init_std=init_std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
         pad_token_id=token_ids["<|endoftext|>"],
     )
+    if model_name == "tiny-glm5":
+        # Left for each transformers version to derive: 5.12 (Megatron-Bridge's) refuses the newer name of GLM-5's
+        # layer type ("indexed_attention"), and the newer versions refuse to write 5.12's.
+        model.config.layer_types = None
     model.save_pretrained(out)
-    marker = {"builder_version": BUILDER_VERSION, "dense": dense, "seed": seed, "init_std": init_std}
+    dense = model_name == "tiny-dense"
+    marker: dict[str, Any] = {"builder_version": BUILDER_VERSION, "dense": dense, "seed": seed, "init_std": init_std}
+    if model_name not in UNNAMED_MARKERS:
+        marker["name"] = model_name
     (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out
 
 
-def _is_complete(folder: Path, *, dense: bool, seed: int) -> bool:
+def _is_complete(folder: Path, *, name: str, seed: int) -> bool:
     marker = folder / COMPLETE_MARKER
     if not marker.is_file():
         return False
     recorded = json.loads(marker.read_text())
     return (
         recorded.get("builder_version") == BUILDER_VERSION
-        and recorded.get("dense") == dense
+        and recorded.get("name", _model_name(None, bool(recorded.get("dense")))) == name
         and (recorded.get("seed") == seed)
     )
 
@@ -171,22 +212,21 @@ def ensure_tiny_model(name: str = "tiny-moe", cache_dir: str | Path | None = Non
     """Return the cached tiny model folder, building it (atomically, via rename) when missing or stale."""
     if name not in TINY_MODEL_NAMES:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODEL_NAMES)}")
-    dense = name == "tiny-dense"
     root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
     target = root / f"{name}-seed{seed}"
-    if _is_complete(target, dense=dense, seed=seed):
+    if _is_complete(target, name=name, seed=seed):
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        build_tiny_model(staging, dense=dense, seed=seed)
-        if target.exists() and not _is_complete(target, dense=dense, seed=seed):
+        build_tiny_model(staging, seed=seed, name=name)
+        if target.exists() and not _is_complete(target, name=name, seed=seed):
             shutil.rmtree(target, ignore_errors=True)
         try:
             staging.rename(target)
         except OSError:
             # Another process finished the same build first; its folder is as good as ours.
-            if not _is_complete(target, dense=dense, seed=seed):
+            if not _is_complete(target, name=name, seed=seed):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -196,11 +236,13 @@ def ensure_tiny_model(name: str = "tiny-moe", cache_dir: str | Path | None = Non
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a deterministic tiny HF model folder.")
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--dense", action="store_true", help="dense Qwen3 instead of Qwen3-MoE")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--dense", action="store_true", help="dense Qwen3 instead of Qwen3-MoE")
+    shape.add_argument("--name", choices=TINY_MODEL_NAMES, help="which tiny model (default tiny-moe)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-std", type=float, default=0.1)
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.out_dir, dense=args.dense, seed=args.seed, init_std=args.init_std)
+    path = build_tiny_model(args.out_dir, dense=args.dense, seed=args.seed, init_std=args.init_std, name=args.name)
     print(path)
 
 

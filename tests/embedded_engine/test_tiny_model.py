@@ -87,3 +87,23 @@ def test_cli_writes_a_model_folder(tmp_path, capsys):
     main([str(tmp_path / "cli"), "--dense", "--seed", "3"])
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     assert json.loads((tmp_path / "cli" / COMPLETE_MARKER).read_text())["seed"] == 3
+
+
+def test_glm5_has_the_shape_the_plan_checks_and_loads_in_every_transformers_version():
+    from miles_runner.core.tiny_shapes import TINY_SHAPES
+
+    folder = ensure_tiny_model("tiny-glm5")
+    config = json.loads((folder / "config.json").read_text())
+    assert {key: config[key] for key in TINY_SHAPES["tiny-glm5"]} == TINY_SHAPES["tiny-glm5"]
+    assert config["index_topk"] >= config["max_position_embeddings"]  # the indexer never drops a token
+    # Read alike by transformers 5.12 (Megatron-Bridge's) and newer: one expert count, each its own layer type name.
+    assert config["num_experts"] == config["n_routed_experts"] and config["layer_types"] is None
+    assert json.loads((folder / COMPLETE_MARKER).read_text())["name"] == "tiny-glm5"
+
+
+def test_older_markers_without_a_name_still_mark_their_model_complete(tiny_moe_dir, tiny_dense_dir):
+    for folder in (tiny_moe_dir, tiny_dense_dir):
+        assert "name" not in json.loads((folder / COMPLETE_MARKER).read_text())
+        stamp = (folder / "model.safetensors").stat().st_mtime_ns
+        assert ensure_tiny_model(folder.name.removesuffix("-seed0"), cache_dir=folder.parent) == folder
+        assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt

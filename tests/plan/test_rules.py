@@ -311,8 +311,8 @@ CASES = [
     RuleCase("megatron-lora-fused-targets", QWEN05, ("adapters.exclude_modules=[k_proj]",),
              ("adapters.exclude_modules=[q_proj,k_proj,v_proj]",), "excluded"),  # all-linear less k_proj
     # MLA attention has no fused linear_qkv: its projections take a LoRA each; gate/up stay fused.
-    RuleCase("megatron-lora-fused-targets", GLM, ("adapters.target_modules=[q_proj,kv_b_proj,gate_proj]",),
-             ("adapters.target_modules=[q_proj,kv_b_proj]",), "mla"),
+    RuleCase("megatron-lora-fused-targets", GLM, ("adapters.target_modules=[q_a_proj,kv_b_proj,gate_proj]",),
+             ("adapters.target_modules=[q_a_proj,kv_b_proj]",), "mla"),
     RuleCase("bridge-supports-model", QWEN05, ("model.family=phi3",), ("model.family=qwen2",)),
     RuleCase("bridge-expert-lora-needs-ep1", QWEN30, ("adapters.target_modules=[all-linear]",),
              ("adapters.target_modules=[all-linear]", "trainer.parallel.ep=1")),
@@ -335,6 +335,14 @@ CASES = [
              ("trainer.parallel.tp=4",), ("trainer.parallel.tp=2",), "kv-heads"),  # 4 heads, 2 KV heads (config.json)
     RuleCase("bridge-cannot-start-from-adapter", (*MEGATRON_CPU, "lora_mode=bridge"), ("adapters.path=/no/such",),
              ("lora_mode=raw", "adapters.path=''")),
+    RuleCase("lora-target-not-in-model", GLM, ("adapters.target_modules=[q_proj,k_proj,v_proj,o_proj]",),
+             ("adapters.target_modules=[q_a_proj,kv_b_proj,o_proj]",)),
+    RuleCase("lora-target-not-in-model", CPU, ("adapters.target_modules=[kv_b_proj,o_proj]",),
+             ("adapters.target_modules=[o_proj]",), "standard"),
+    RuleCase("megatron-cpu-dsa-tensor-parallel-not-built",
+             (*MEGATRON_CPU, "lora_mode=bridge", "model=tiny_glm5", "trainer.python=.venv-bridge/bin/python",
+              "adapters.target_modules=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"),
+             ("trainer.parallel.tp=2",), ("trainer.parallel.tp=1",)),
     RuleCase("trainer-python-runs-bridge", (*MEGATRON_CPU, "lora_mode=bridge"), (),
              ("trainer.python=.venv-bridge/bin/python",)),  # `make test` builds it first
     RuleCase("trainer-python-runs-bridge", MEGATRON_CPU, ("trainer.python=/no/such/python",), (), "missing"),

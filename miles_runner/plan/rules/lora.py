@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from miles_runner.config.loader import did_you_mean
 from miles_runner.config.schema import MilesConfig
-from miles_runner.core.targets import ALL_ALIASES, KNOWN_MODULES, is_known_module
+from miles_runner.core.targets import ALL_ALIASES, KNOWN_MODULES, absent_modules, is_known_module
 from miles_runner.plan.derive import Derived
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, TOPOLOGY, Finding, rule
 from miles_runner.plan.starting_adapter import starting_adapter_problems
@@ -106,6 +106,24 @@ def lora_target_unknown(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
                 f"'{name}' is not a linear module name a model defines; {hint or 'use all-linear or HF names'}",
                 "adapters.target_modules=[all-linear]",
             )
+
+
+@rule("lora-target-not-in-model")
+def lora_target_not_in_model(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """A named attention linear the model's attention does not have would be matched by nothing: the adapter
+    would silently leave it out (an MLA model has no k_proj; a standard one no kv_b_proj)."""
+    if not d.lora_enabled:
+        return
+    m = cfg.model
+    absent = absent_modules(kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank)
+    if missing := [name for name in cfg.adapters.target_modules if name in absent]:
+        attention = "MLA" if m.kv_lora_rank else "standard (q, k, v, o)"
+        kept = [name for name in cfg.adapters.target_modules if name not in absent]
+        yield Finding(
+            ("adapters.target_modules", "model.kv_lora_rank", "model.q_lora_rank"),
+            f"{m.name} has {attention} attention, without {', '.join(missing)}.",
+            f"adapters.target_modules=[{','.join(kept or ['all-linear'])}]",
+        )
 
 
 @rule("starting-adapter-fits-plan")

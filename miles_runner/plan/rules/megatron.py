@@ -22,6 +22,7 @@ from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, 
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 NOT_BUILT = (
+    "megatron-cpu-dsa-tensor-parallel-not-built",
     "megatron-lora-layout-not-built",
     "megatron-multi-lora-not-built",
     "megatron-parallelism-not-built",
@@ -173,6 +174,19 @@ def tensor_parallel_divides_heads(cfg: MilesConfig, d: Derived) -> Iterator[Find
                 f"trainer.parallel.tp={fitting}",
             )
             return
+
+
+@rule("megatron-cpu-dsa-tensor-parallel-not-built")
+def megatron_cpu_dsa_tensor_parallel_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """Without Transformer Engine (a CPU host) the DSA indexer's replicated linears stand in as column-parallel ones
+    (trainer/megatron/bridge_compat.py), which are replicated only at TP 1."""
+    dsa_on_cpu = cfg.cluster.cpu_only and cfg.trainer.backend == "megatron" and cfg.model.has_dsa_indexer
+    if dsa_on_cpu and cfg.trainer.parallel.tp > 1:
+        yield Finding(
+            ("trainer.parallel.tp", "model.has_dsa_indexer", "cluster.cpu_only"),
+            "On a CPU host the Megatron trainer builds DSA attention (GLM-5's) at tensor parallel size 1 only.",
+            "trainer.parallel.tp=1",
+        )
 
 
 @rule("megatron-offload-not-built")

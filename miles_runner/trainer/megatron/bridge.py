@@ -18,9 +18,11 @@ RouteReplay in each router's replay hook as lora_mode=raw; MegatronTrainer's rep
 the TransformerConfig Bridge built.
 
 Tested on CPU (tests/trainer/megatron/bridge): dense and Qwen3-MoE at TP=2 (+SP), DP=2 and EP=2 train and export
-the same adapter as one process. Known limit: Bridge's export of expert LoRA is wrong with EP > 1 -- each EP rank
-exports its local experts numbered from 0, so the names collide and half the experts' adapters are lost
-(``EXPERT_EXPORT_REFUSAL``; a plan rule refuses bridge + expert targets + EP > 1).
+the same adapter as one process; tiny-glm5 (GLM-5: MLA + DSA, bridge_compat's local DSA attention) at TP=1 with
+LoRA on its MLA linears (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj). Known limit: Bridge's export
+of expert LoRA is wrong with EP > 1 -- each EP rank exports its local experts numbered from 0, so the names
+collide and half the experts' adapters are lost (``EXPERT_EXPORT_REFUSAL``; a plan rule refuses bridge + expert
+targets + EP > 1).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from miles_runner.core.adapters import AdapterSpec
-from miles_runner.trainer.megatron.bridge_compat import apply_bridge_adaptations
+from miles_runner.trainer.megatron.bridge_compat import apply_bridge_adaptations, dsa_local_block_spec, uses_dsa
 from miles_runner.trainer.megatron.model import MegatronCausalLM, enable_routing_replay, recompute_layers
 from miles_runner.trainer.megatron.parallel import Layout
 from miles_runner.trainer.megatron.raw_lora import megatron_targets
@@ -53,16 +55,17 @@ EXPERT_EXPORT_REFUSAL = (
 )
 
 
-def cpu_overrides(layout: Layout, *, moe: bool) -> dict[str, Any]:
+def cpu_overrides(layout: Layout, *, moe: bool, dsa: bool = False) -> dict[str, Any]:
     """The provider settings a CPU run needs (and the parallel layout): megatron's local layer spec instead of
-    Transformer Engine's, fp32, no fused kernels, the allgather MoE dispatcher (alltoall needs a CUDA stream), no
+    Transformer Engine's (for DSA attention, GLM-5's, bridge_compat's local stand-in), fp32, no fused kernels, the
+    allgather MoE dispatcher (alltoall needs a CUDA stream) without shared-expert overlap (a CUDA stream too), no
     aux loss (the policy loss alone trains the adapter, as with lora_mode=raw), logits gathered over TP."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     overrides: dict[str, Any] = dict(
-        transformer_layer_spec=lambda config: get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        ),
+        transformer_layer_spec=dsa_local_block_spec
+        if dsa
+        else lambda config: get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"),
         parallel_output=False,
         masked_softmax_fusion=False,
         cross_entropy_loss_fusion=False,
@@ -87,7 +90,12 @@ def cpu_overrides(layout: Layout, *, moe: bool) -> dict[str, Any]:
             moe_permute_fusion=False,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
+            moe_shared_expert_overlap=False,
         )
+    if dsa:
+        # The indexer is frozen under LoRA and its KL loss reaches nothing else (megatron detaches its inputs):
+        # computing it would only cost time.
+        overrides.update(dsa_indexer_loss_coeff=0.0)
     return overrides
 
 
@@ -226,7 +234,8 @@ def build_bridge_lora_model(
     moe = bool(getattr(provider, "num_moe_experts", None))
     if not allow_expert_ep:
         check_expert_export(moe, adapter, layout)
-    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=cpu_overrides(layout, moe=moe))
+    overrides = cpu_overrides(layout, moe=moe, dsa=uses_dsa(provider))
+    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
     with warnings.catch_warnings():
         # Bridge 0.6.2 deprecates its provider API, yet an HF checkpoint reaches megatron only through a provider
         # (its own AutoBridge.to_megatron_model calls provide_distributed_model): there is no other path to take.

@@ -11,6 +11,9 @@ Found on megatron-bridge 0.6.2 with megatron-core 0.19.2 (docs/development.md, "
    when Transformer Engine is absent, so Bridge's ``safe_import_from`` finds them and its ``HAVE_TE`` flags read
    True: LoRA would then treat megatron's local linears by TE rules. The flags are set False.
 
+3. GLM-5's attention (MLA with a DSA indexer) has only a Transformer Engine spec in megatron-core 0.19
+   (``dsa_local_block_spec`` builds it from megatron's local modules; bridge.cpu_overrides picks it for a DSA model).
+
 Each stand-in first resolves what it replaces, so a Bridge release that moves it fails loudly here; Bridge
 versions whose stand-ins were not tested are refused. Nothing is changed when CUDA is available.
 """
@@ -154,3 +157,63 @@ def apply_bridge_adaptations() -> None:
     importlib.import_module("megatron.bridge")
     importlib.import_module(LORA_LAYERS)
     turn_off_te_flags()
+
+
+# ---- GLM-5's attention (MLA with a DSA indexer) without Transformer Engine ----
+
+DSA_VARIANT = "dsa"  # the provider's experimental_attention_variant for DeepSeek sparse attention (GLM-5)
+# Bridge registers each megatron linear class by name with how its weights split over TP; the stand-in below is new.
+REPLICATED = "replicated"
+
+
+def uses_dsa(provider: Any) -> bool:
+    return getattr(provider, "experimental_attention_variant", None) == DSA_VARIANT
+
+
+def dsa_local_block_spec(config: Any) -> Any:
+    """Stand-in 3: the decoder block of a DSA model (GLM-5) with megatron's local modules. Bridge's GLM-5 spec is
+    megatron-core's experimental-attention block, which asserts Transformer Engine; this is megatron's local GPT
+    block (its MLPs, MoE and norms) with each layer's attention swapped for megatron-core's own DSA attention
+    (AbsorbedMLASelfAttention + DSAttention), built from the local backend with two changes:
+
+    - the local backend has no ``linear()`` (Transformer Engine's replicated TELinear), which the DSA indexer's
+      three projections take: ``_DuplicatedLinear`` is megatron's ColumnParallelLinear taking (and dropping) the
+      ``parallel_mode`` argument TELinear has. It is replicated only at TP = 1 (``tensor_parallel_size`` must be 1).
+    - the MLA down projections (linear_q_down_proj, linear_kv_down_proj) take ColumnParallelLinear, one of the
+      classes AbsorbedMLASelfAttention accepts there besides TELinear.
+
+    Measured on tiny-glm5 at TP = 1: the logits match transformers' within 5e-5 and LoRA on the five MLA linears
+    exports a PEFT adapter that transformers applies with the same logits."""
+    import copy
+
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    if config.tensor_model_parallel_size != 1:
+        raise ValueError(
+            "GLM-5's DSA attention is built on CPU (without Transformer Engine) at tensor parallel size 1 only: its "
+            f"indexer's replicated linears stand in as column-parallel ones; got tp={config.tensor_model_parallel_size}"
+        )
+
+    class _DuplicatedLinear(ColumnParallelLinear):
+        def __init__(self, *args: Any, parallel_mode: str | None = None, **kwargs: Any) -> None:
+            kwargs.setdefault("gather_output", False)
+            super().__init__(*args, **kwargs)
+
+    class _LocalDSASpecProvider(LocalSpecProvider):
+        def linear(self) -> type:
+            return _DuplicatedLinear
+
+    AutoMapping.register_module_type(_DuplicatedLinear.__name__, REPLICATED)
+    plain = copy.copy(config)  # megatron's GPT block refuses an experimental attention variant
+    plain.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
+    attention = get_dsa_module_spec_for_backend(config, backend=_LocalDSASpecProvider())
+    attention.submodules.linear_q_down_proj = ColumnParallelLinear
+    attention.submodules.linear_kv_down_proj = ColumnParallelLinear
+    for layer in block.layer_specs:
+        layer.submodules.self_attention = attention
+    return block

@@ -62,7 +62,14 @@ HF_TO_MEGATRON: dict[str, str] = {
     "gate_proj": "linear_fc1",
     "up_proj": "linear_fc1",
     "down_proj": "linear_fc2",
+    # MLA attention (DeepSeek, GLM-5): the low-rank query and key-value projections; only lora_mode=bridge builds
+    # these models (attach_lora refuses them, and the plan's raw-lora-needs-converter refuses their families).
+    "q_a_proj": "linear_q_down_proj",
+    "q_b_proj": "linear_q_up_proj",
+    "kv_a_proj_with_mqa": "linear_kv_down_proj",
+    "kv_b_proj": "linear_kv_up_proj",
 }
+MLA_MODULES = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
@@ -245,6 +252,11 @@ def attach_lora(model: torch.nn.Module, adapter: AdapterSpec, *, seed: int) -> l
     if lora_modules(model):
         raise ValueError("the model already has LoRA attached")
     modules = megatron_targets(list(adapter.target_modules))
+    if mla := sorted(name for name in adapter.target_modules if HF_TO_MEGATRON[name] in MLA_MODULES):
+        raise ValueError(
+            f"adapter.target_modules {mla} are MLA projections: lora_mode=raw converts no MLA model; "
+            "lora_mode=bridge builds them"
+        )
     for param in model.parameters():
         param.requires_grad_(False)
     loras, wrapped = torch.nn.ModuleDict(), []

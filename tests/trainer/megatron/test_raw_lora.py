@@ -164,6 +164,13 @@ def test_targets_megatron_cannot_hold_are_refused(targets, message):
         raw_lora.megatron_targets(targets)
 
 
+def test_mla_targets_map_for_bridge_but_raw_lora_refuses_them():
+    mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+    assert raw_lora.megatron_targets(mla) == set(raw_lora.MLA_MODULES)  # Bridge's LoRA names
+    with pytest.raises(ValueError, match="lora_mode=raw converts no MLA model"):
+        raw_lora.attach_lora(torch.nn.Linear(2, 2), adapter_spec(targets=[*mla, "o_proj"]), seed=0)
+
+
 def test_attaching_twice_is_refused():
     model, adapter, _ = megatron_model("tiny-dense", start=False)
     with pytest.raises(ValueError, match="already"):
