@@ -339,6 +339,8 @@ CASES = [
              ("adapters.target_modules=[q_a_proj,kv_b_proj,o_proj]",)),
     RuleCase("lora-target-not-in-model", CPU, ("adapters.target_modules=[kv_b_proj,o_proj]",),
              ("adapters.target_modules=[o_proj]",), "standard"),
+    RuleCase("embedded-engine-mla-not-built", CPU, ("model=tiny_glm5", "adapters.target_modules=[q_a_proj,o_proj]"),
+             ("model=tiny_moe", "adapters.target_modules=[q_proj,o_proj]")),
     RuleCase("megatron-cpu-dsa-tensor-parallel-not-built",
              (*MEGATRON_CPU, "lora_mode=bridge", "model=tiny_glm5", "trainer.python=.venv-bridge/bin/python",
               "adapters.target_modules=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"),

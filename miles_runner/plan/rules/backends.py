@@ -16,6 +16,7 @@ from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, 
 
 # Rule ids of the refusals of what this release has not built (docs/refusals.md lists them).
 NOT_BUILT = (
+    "embedded-engine-mla-not-built",
     "full-weight-training-not-built",
     "fully-async-not-built",
     "train-only-adapter-not-built",
@@ -73,6 +74,20 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
             "The FSDP trainer of this release trains on the host CPU (it places nothing on CUDA devices): on a GPU "
             "cluster its GPUs would sit idle. GPU training is the Megatron trainer's.",
             "cluster=cpu engine=embedded",
+        )
+
+
+@rule("embedded-engine-mla-not-built")
+def embedded_engine_mla_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """The embedded engine's KV cache keeps one (heads, head_dim) shape for keys and values; MLA caches a latent and
+    a rope part of other widths, and DSA an indexer key cache besides: its first prefill would fail."""
+    m = cfg.model
+    if cfg.engine.kind == "embedded" and (m.kv_lora_rank > 0 or m.has_dsa_indexer):
+        yield Finding(
+            ("engine.kind", "model.kv_lora_rank", "model.has_dsa_indexer"),
+            f"The embedded engine does not serve {m.name}'s MLA attention (or a DSA indexer) in this release; "
+            "SGLang does, on GPUs.",
+            "model=tiny_moe",
         )
 
 
