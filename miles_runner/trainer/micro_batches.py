@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_runner.trainer.logprobs import TokenBatch
+from miles_runner.trainer.logprobs import TokenBatch, token_log_probs
 
 
 def plan_micro_batches(lengths: list[int], *, size: int, max_tokens: int = 0, count: int = 0) -> list[list[int]]:
@@ -81,3 +81,19 @@ def cut_columns(batch: TokenBatch, width: int) -> TokenBatch:
 def token_columns(values: Tensor | None, width: int) -> Tensor | None:
     """Per-token ``[B, L - 1]`` values cut like ``cut_columns``; per-sample ``[B]`` values unchanged."""
     return values if values is None or values.dim() == 1 else values[:, : width - 1]
+
+
+def micro_batched_log_probs(
+    net, batch: TokenBatch, micro_batches: list[list[int]], *, temperature: float, cut: bool
+) -> Tensor:
+    """``[B, L - 1]`` log-probs of the batch, one forward per micro-batch (rows of `batch`); `cut`: each forward
+    holds its longest row's columns only (the token budget). A micro-batch without rows still runs its forward:
+    the collectives inside pair up with the other ranks'."""
+    out = torch.zeros(batch.loss_mask.shape)
+    for rows in micro_batches:
+        part = batch.select(torch.tensor(rows, dtype=torch.long))
+        width = max(row_lengths(part), default=1) if cut else part.input_ids.shape[1]
+        log_probs, _ = token_log_probs(net, cut_columns(part, width), temperature=temperature)
+        if rows:
+            out[rows, : width - 1] = log_probs
+    return out

@@ -40,11 +40,10 @@ from miles_runner.trainer.logprobs import (
     pack_samples,
     response_values,
     sequence_log_probs,
-    token_log_probs,
 )
 from miles_runner.trainer.loss import PolicyLossConfig, k3_kl
 from miles_runner.trainer.metrics import MetricMeans
-from miles_runner.trainer.micro_batches import agreed_micro_batches, cut_columns, row_lengths
+from miles_runner.trainer.micro_batches import agreed_micro_batches, micro_batched_log_probs, row_lengths
 from miles_runner.trainer.policy_grads import accumulate_policy_gradients, build_optimizer, loss_config
 from miles_runner.trainer.routing_replay import check_routed_experts
 from miles_runner.trainer.train_offload import OffloadReport, OffloadSettings, TrainStateOffload, offload_settings
@@ -176,18 +175,14 @@ class PolicyTrainer(ABC):
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch, *, adapter: bool = True) -> torch.Tensor:
         self.model.eval()
-        out = torch.zeros(batch.loss_mask.shape)
-        cut = self.settings.max_tokens_per_micro_batch > 0
         with self._adapter_enabled(adapter):
-            for rows in self._micro_batches(batch, list(range(batch.input_ids.shape[0]))):
-                part = batch.select(torch.tensor(rows, dtype=torch.long))
-                width = max(row_lengths(part), default=1) if cut else part.input_ids.shape[1]
-                log_probs, _ = token_log_probs(
-                    self.net, cut_columns(part, width), temperature=self.settings.temperature
-                )
-                if rows:  # a rank short of rows still runs the forward, for the collectives inside
-                    out[rows, : width - 1] = log_probs
-        return out
+            return micro_batched_log_probs(
+                self.net,
+                batch,
+                self._micro_batches(batch, list(range(batch.input_ids.shape[0]))),
+                temperature=self.settings.temperature,
+                cut=self.settings.max_tokens_per_micro_batch > 0,
+            )
 
     def compute_log_probs(self, samples: Sequence[TrainingSample], *, adapter: bool = True) -> list[list[float]]:
         """The trainer's log-probs of each sample's response tokens (every rank computes all of them)."""

@@ -8,6 +8,7 @@ model-parallel RNG streams; ``destroy`` undoes it (the world it created included
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +111,8 @@ def data_parallel_group() -> Any:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group()
+
+
+def layout_record(layout: Layout) -> dict[str, Any]:
+    """What optimizer shards depend on: the model-parallel layout and the rank count (a resume must match it)."""
+    return {**dataclasses.asdict(layout), "world_size": dist.get_world_size()}

@@ -32,6 +32,12 @@ row-parallel input (sharded, so each rank its own mask), as megatron's own dropo
 Initialisation is layout-free: each LoRA draws its FULL A (kaiming-uniform, a=sqrt(5), as peft does) from a
 generator seeded with ``seed`` and the LoRA's global name, and takes its local shard; B starts at zero. So the
 same seed gives the same adapter at any TP/EP/SP, and ``lora_export`` gathers the same tensors back.
+
+Multi-LoRA slots (``attach_slot``): several adapters, each with its own rank, alpha and targets, in
+``model.lora_slots`` (one ModuleDict per engine slot). One hook per targeted linear applies the *active* slot's
+LoRA only (``activate_slot``), so a forward trains one tenant and the others' parameters get no gradient. While a
+slot is active, ``lora_modules`` is that slot's LoRAs, so export, load, gradient reduction and clipping act on it
+alone, as Megatron-Bridge's ``expose_adapter_slot`` does for its MultiLoRA.
 """
 
 from __future__ import annotations
@@ -249,30 +255,108 @@ def _sites(model: torch.nn.Module, modules: set[str]) -> Iterator[tuple[str, tor
 
 def attach_lora(model: torch.nn.Module, adapter: AdapterSpec, *, seed: int) -> list[str]:
     """Freeze the base and put a LoRA on every targeted linear of a MegatronCausalLM; return their module names."""
-    if lora_modules(model):
+    if lora_modules(model) or hasattr(model, "lora_slots"):
         raise ValueError("the model already has LoRA attached")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    loras = _new_loras(model, adapter, seed)
+    for name, lora in loras.items():
+        _module(model, name).register_forward_hook(functools.partial(_add_lora, lora), with_kwargs=True)
+    model.lora_adapters = loras  # beside model.gpt, whose parameters stay the HF checkpoint's (convert.py)
+    return [name.replace("__", ".") for name in loras]
+
+
+def _new_loras(model: torch.nn.Module, adapter: AdapterSpec, seed: int) -> torch.nn.ModuleDict:
+    """A LoRA on every linear the adapter targets, keyed by the linear's module name (dots as ``__``)."""
     modules = megatron_targets(list(adapter.target_modules))
     if mla := sorted(name for name in adapter.target_modules if HF_TO_MEGATRON[name] in MLA_MODULES):
         raise ValueError(
             f"adapter.target_modules {mla} are MLA projections: lora_mode=raw converts no MLA model; "
             "lora_mode=bridge builds them"
         )
-    for param in model.parameters():
-        param.requires_grad_(False)
-    loras, wrapped = torch.nn.ModuleDict(), []
+    loras = torch.nn.ModuleDict()
     for name, module, site in _sites(model, modules):
-        lora = ParallelLoRA(module, site, adapter, seed)
-        module.register_forward_hook(functools.partial(_add_lora, lora), with_kwargs=True)
-        loras[name.replace(".", "__")] = lora
-        wrapped.append(name)
-    if not wrapped:
+        loras[name.replace(".", "__")] = ParallelLoRA(module, site, adapter, seed)
+    if not loras:
         raise ValueError(f"adapter.target_modules {adapter.target_modules} matched no linear of the model")
-    model.lora_adapters = loras  # beside model.gpt, whose parameters stay the HF checkpoint's (convert.py)
-    return wrapped
+    return loras
+
+
+def _module(model: torch.nn.Module, key: str) -> torch.nn.Module:
+    return model.get_submodule(key.replace("__", "."))
+
+
+# ---- multi-LoRA slots ----
+
+
+class SlotTable(torch.nn.ModuleDict):
+    """``model.lora_slots``: each slot's LoRAs (a ModuleDict keyed like ``lora_adapters``) and the active slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active: int | None = None
+        self.hooked: set[str] = set()  # the linears whose hook applies the active slot's LoRA
+
+    def active_loras(self) -> torch.nn.ModuleDict | None:
+        return None if self.active is None else self[str(self.active)]
+
+
+def attach_slot(model: torch.nn.Module, slot: int, adapter: AdapterSpec, *, seed: int) -> list[ParallelLoRA]:
+    """Put slot `slot`'s LoRA (fresh: A from `seed`, B zero) on every linear the adapter targets; the base stays
+    frozen. Returns the slot's LoRAs in model order."""
+    if lora_modules(model) and not hasattr(model, "lora_slots"):
+        raise ValueError("the model carries a single LoRA (attach_lora); slots need a model without one")
+    if not hasattr(model, "lora_slots"):
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.lora_slots = SlotTable()
+    table: SlotTable = model.lora_slots
+    if str(slot) in table:
+        raise ValueError(f"LoRA slot {slot} is taken; clear it first")
+    loras = _new_loras(model, adapter, seed)
+    for key in loras:
+        if key not in table.hooked:
+            _module(model, key).register_forward_hook(functools.partial(_add_slot_lora, table, key), with_kwargs=True)
+            table.hooked.add(key)
+    table[str(slot)] = loras
+    return list(loras.values())
+
+
+def clear_slot(model: torch.nn.Module, slot: int) -> None:
+    """Drop slot `slot`'s LoRA (its hooks stay, applying nothing while no LoRA of theirs is active)."""
+    table: SlotTable = model.lora_slots
+    if table.active == slot:
+        table.active = None
+    del table[str(slot)]
+
+
+@contextlib.contextmanager
+def slot_active(model: torch.nn.Module, slot: int) -> Iterator[None]:
+    """Within: slot `slot`'s LoRA is the one forwards apply and the one ``lora_modules`` names."""
+    table: SlotTable = model.lora_slots
+    if str(slot) not in table:
+        raise ValueError(f"LoRA slot {slot} holds no adapter")
+    before, table.active = table.active, slot
+    try:
+        yield
+    finally:
+        table.active = before
+
+
+def _add_slot_lora(table: SlotTable, key: str, module: torch.nn.Module, args: tuple, kwargs: dict, output: tuple):
+    loras = table.active_loras()
+    if loras is None or key not in loras:
+        return output
+    return _add_lora(loras[key], module, args, kwargs, output)
 
 
 def lora_modules(model: torch.nn.Module) -> list[ParallelLoRA]:
-    """Every LoRA of the model, in model order (the same order on every rank)."""
+    """Every LoRA of the model, in model order (the same order on every rank); in a model with slots, the active
+    slot's (none while no slot is active)."""
+    table = getattr(model, "lora_slots", None)
+    if table is not None:
+        loras = table.active_loras()
+        return [] if loras is None else list(loras.values())
     return [m for m in model.modules() if isinstance(m, ParallelLoRA)]
 
 

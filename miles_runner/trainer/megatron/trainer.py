@@ -13,7 +13,6 @@ layout, as in Megatron) and the step; the adapter export is the same tensors wha
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -69,10 +68,9 @@ class MegatronTrainer(PolicyTrainer):
     def _build_model(self, hf_config: dict, settings: TrainerSettings) -> torch.nn.Module:
         """The megatron model with the HF weights, frozen, and the plan's LoRA attached."""
         s = settings
-        model = build_model(hf_config, self.layout, routing_replay=s.routing_replay, recompute=s.recompute)
-        load_hf_checkpoint(model, self.model_path)
-        for param in model.parameters():
-            param.requires_grad_(False)
+        model = frozen_model(
+            self.model_path, hf_config, self.layout, routing_replay=s.routing_replay, recompute=s.recompute
+        )
         raw_lora.attach_lora(model, s.adapter, seed=s.seed)
         return model
 
@@ -120,25 +118,19 @@ class MegatronTrainer(PolicyTrainer):
         self._resident()  # the optimizer state may be offloaded
         return {
             "adapter": self.adapter_state(),
-            "lora_by_rank": self._gathered(self._lora_shards()),
-            "optimizer_by_rank": self._gathered(self.optimizer.state_dict()),
+            "lora_by_rank": gathered(self._lora_shards()),
+            "optimizer_by_rank": gathered(self.optimizer.state_dict()),
             "layout": self._layout_record(),
             "rng": torch.get_rng_state(),
             "step": self.step,
         }
-
-    def _gathered(self, local: Any) -> list[Any]:
-        every_rank: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every_rank, local)
-        return every_rank
 
     def _lora_shards(self) -> dict[str, torch.Tensor]:
         """This rank's trainable (LoRA) parameters under the model's own names."""
         return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
     def _layout_record(self) -> dict[str, Any]:
-        """What the optimizer shards depend on: the model-parallel layout and the rank count."""
-        return {**dataclasses.asdict(self.layout), "world_size": self.world_size}
+        return parallel.layout_record(self.layout)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resident()  # the optimizer state may be offloaded
@@ -157,6 +149,24 @@ class MegatronTrainer(PolicyTrainer):
         self.optimizer.load_state_dict(state["optimizer_by_rank"][self.rank])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
+
+
+def frozen_model(
+    model_path: str, hf_config: dict, layout: parallel.Layout, *, routing_replay: bool, recompute: bool
+) -> torch.nn.Module:
+    """The megatron model of the HF checkpoint at `model_path`, every parameter frozen."""
+    model = build_model(hf_config, layout, routing_replay=routing_replay, recompute=recompute)
+    load_hf_checkpoint(model, model_path)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def gathered(local: Any) -> list[Any]:
+    """`local` of every rank, in rank order (collective)."""
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, local)
+    return every_rank
 
 
 def build_megatron_trainer(plan: Plan, trainer_class: type[MegatronTrainer] = MegatronTrainer) -> MegatronTrainer:
