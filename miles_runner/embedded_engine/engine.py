@@ -74,6 +74,7 @@ class EmbeddedEngine:
             args.model_path, enable_lora=args.enable_lora, lora_target_modules=args.lora_target_modules
         )
         self.context_length = args.context_length or self.runner.config.max_position_embeddings
+        check_dsa_context(self.runner.config, self.context_length)
         self.detok = Detokenizer(self.tokenizer, _eos_token_ids(args.model_path, self.tokenizer))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.lora = LoRARegistry(args)
@@ -530,6 +531,19 @@ class EmbeddedEngine:
             for ref in self.lora.refs()
         ]
         return [base, *adapters]
+
+
+def check_dsa_context(config, context_length: int) -> None:
+    """Refuse a context longer than a DSA indexer's index_topk (the plan refuses it too, where it can read the
+    checkpoint). Past it the indexer drops keys, and transformers' top-k breaks tied scores (ReLU makes exact zeros
+    common) by column, which a ragged batch's padding and a prefix-cache hit move: a request's attention would depend
+    on its batch. Within it every key is kept, whatever the layout."""
+    index_topk = getattr(config.get_text_config(), "index_topk", None)
+    if index_topk is not None and context_length > index_topk:
+        raise ValueError(
+            f"the embedded engine serves a DSA indexer only while it keeps every token: --context-length "
+            f"{context_length} outgrows index_topk {index_topk}; pass --context-length {index_topk}"
+        )
 
 
 def _eos_token_ids(model_path: str, tokenizer) -> frozenset[int]:

@@ -2,6 +2,8 @@
 
 - Forwards are ragged (``ragged_batch``): rows with different cache lengths and new-token counts share one
   pass; each row keeps its own KV cache between steps, so requests join and leave between any two steps.
+- KV: a layer's cache is whatever tensors its attention caches, each with its own shape (``hf_cache``): keys and
+  values, or MLA's latent and rope key plus a DSA indexer's keys (GLM-5).
 - Routing: a forward hook on every MoE router (``mlp.gate``) records the top-k expert ids it chose for
   every token; dense layers read 0, like SGLang's zero-initialised capture buffer.
 - LoRA: adapters live in one ``peft.PeftModel``; a batch mixes adapters through peft's ``adapter_names``
@@ -28,11 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles_runner.embedded_engine.ragged_batch import RaggedLayout
+from miles_runner.embedded_engine.hf_cache import build_cache, read_cache
+from miles_runner.embedded_engine.ragged_batch import LayerCache, RaggedLayout
 
 logger = logging.getLogger(__name__)
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+KVCache = list[LayerCache]  # one row's cache: per layer its cached tensors, each (heads, tokens, dim)
 # peft needs at least one adapter to keep its wrapper alive; this one is zero-initialised and never selected.
 PLACEHOLDER_ADAPTER = "__embedded_placeholder__"
 BASE_ADAPTER = "__base__"
@@ -69,10 +72,6 @@ class ModelRunner:
         self.model = _load_model(model_path).eval()
         text_config = self.config.get_text_config()
         self.num_layers: int = text_config.num_hidden_layers
-        self.num_kv_heads: int = text_config.num_key_value_heads
-        self.head_dim: int = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
         self.vocab_size: int = text_config.vocab_size
         self.top_k: int = int(getattr(text_config, "num_experts_per_tok", 0) or 0)
         self._routing_capture: dict[int, torch.Tensor] = {}
@@ -109,7 +108,8 @@ class ModelRunner:
 
     def _make_router_hook(self, layer_index: int):
         def hook(_module, _inputs, output):
-            # Qwen3-MoE's router returns (logits, top-k weights, top-k indices), indices sorted by weight.
+            # Qwen3-MoE's and GLM-5's routers both return (logits, top-k weights, top-k indices), the indices in the
+            # router's own order: Qwen3's sorted by weight, GLM's grouped top-k unsorted, as SGLang's kernel leaves it.
             self._routing_capture[layer_index] = output[2].detach()
 
         return hook
@@ -142,11 +142,8 @@ class ModelRunner:
         return list(by_adapter.values())
 
     def _forward_group(self, rows: list[RowInput], pad_id: int) -> list[RowOutput]:
-        from transformers import DynamicCache
-
         layout = RaggedLayout([r.cache_len for r in rows], [len(r.new_tokens) for r in rows])
-        stacked = layout.stack_cache([r.cache for r in rows], self.num_layers, (self.num_kv_heads, self.head_dim))
-        cache = DynamicCache(ddp_cache_data=stacked)
+        cache = build_cache(self.config, layout.stack_cache([r.cache for r in rows]))
         kwargs = dict(
             input_ids=layout.input_ids([r.new_tokens for r in rows], pad_id),
             position_ids=layout.position_ids(),
@@ -156,12 +153,12 @@ class ModelRunner:
         )
         logits = self._call_model([r.adapter for r in rows], kwargs).logits
         routing = self._routing_for_batch(len(rows), layout.new_width)
-        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        layer_states = read_cache(cache)
         outputs = []
         for index, row in enumerate(rows):
             row_logits = layout.new_rows(logits, index) if row.all_logits else logits[index, -1:]
             row_routing = layout.new_rows(routing, index) if routing is not None else None
-            outputs.append(RowOutput(row_logits, layout.split_cache(layer_kv, index), row_routing))
+            outputs.append(RowOutput(row_logits, layout.split_cache(layer_states, index), row_routing))
         return outputs
 
     def _call_model(self, adapters: list[str | None], kwargs: dict):
@@ -179,9 +176,15 @@ class ModelRunner:
     def _wrap_for_lora(self, target_modules: list[str] | None):
         from peft import LoraConfig, get_peft_model
 
-        targets = [m for m in (target_modules or []) if m != "all"] or ["q_proj"]
+        targets = [m for m in (target_modules or []) if m != "all"] or [self._placeholder_target()]
         placeholder = LoraConfig(r=1, lora_alpha=1, target_modules=targets, init_lora_weights=True)
         return get_peft_model(self.model, placeholder, adapter_name=PLACEHOLDER_ADAPTER).eval()
+
+    def _placeholder_target(self) -> str:
+        """The module the zero placeholder wraps when no targets are given: q_proj, else o_proj (an MLA model with a
+        query LoRA rank has q_a_proj and q_b_proj instead); a zero adapter changes nothing wherever it sits."""
+        leaves = {name.rpartition(".")[2] for name, _ in self.model.named_modules()}
+        return next(name for name in ("q_proj", "o_proj") if name in leaves)
 
     def _adapters_mix_in_one_pass(self, peft: Any) -> bool:
         """Whether no loaded adapter wraps parameters; asked every forward, so the module walk runs only when the

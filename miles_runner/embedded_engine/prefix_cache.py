@@ -35,16 +35,17 @@ DEFAULT_BUDGET_BYTES = 256 * 1024 * 1024
 class CachedPrefix:
     namespace: Hashable
     tokens: tuple[int, ...]
-    kv: KVCache  # per layer (keys, values), each (kv_heads, len(tokens), head_dim), owned by the cache
+    kv: KVCache  # per layer its cached tensors, each (heads, len(tokens), dim), owned by the cache
     routing: np.ndarray | None  # (len(tokens), layers, top_k) expert ids of a MoE model, else None
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv) + (self.routing.nbytes if self.routing is not None else 0)
+        kv_bytes = sum(t.nbytes for states in self.kv for t in states)
+        return kv_bytes + (self.routing.nbytes if self.routing is not None else 0)
 
     def head(self, length: int) -> tuple[KVCache, np.ndarray | None]:
         """The KV and routing of the first `length` tokens (views: the cache's tensors are never written)."""
-        kv = [(k[:, :length], v[:, :length]) for k, v in self.kv]
+        kv = [tuple(t[:, :length] for t in states) for states in self.kv]
         return kv, (self.routing[:length] if self.routing is not None else None)
 
 
@@ -89,7 +90,7 @@ class PrefixCache:
         entry = CachedPrefix(
             namespace,
             tuple(tokens),
-            [(k.clone(), v.clone()) for k, v in kv],
+            [tuple(t.clone() for t in states) for states in kv],
             None if routing is None else routing[: len(tokens)].copy(),
         )
         if entry.nbytes > self.budget_bytes:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+# One layer's cached tensors for one row, each ``(heads, tokens, dim)``: a standard attention layer's keys and values;
+# an MLA layer's latent and rope key (one head each, widths of their own) and, with a DSA indexer, its keys.
+LayerCache = tuple[torch.Tensor, ...]
+
 
 @dataclass(frozen=True)
 class RaggedLayout:
@@ -65,13 +69,18 @@ class RaggedLayout:
         itself = key_cols[None, :] == query_cols
         return (valid & causal[None, None]) | itself[None, None]
 
-    def stack_cache(self, caches: list[list[tuple[torch.Tensor, torch.Tensor]] | None], num_layers: int, like):
-        """Left-pad per-row caches (each ``(heads, len, dim)`` per layer) into ``(k, v)`` batch tensors
-        ``(B, heads, C, dim)``: one padding op per tensor, not one copy per row (rows without a cache are all pad)."""
-        heads, dim = like
-        empty = torch.zeros(0, heads, dim)
+    def stack_cache(self, caches: list[list[LayerCache] | None]) -> list[LayerCache] | None:
+        """Left-pad per-row caches into batch tensors: each cached tensor of a layer, ``(heads, len, dim)`` with its
+        own heads and dim, becomes ``(B, heads, C, dim)``, one padding op per tensor, not one copy per row (rows
+        without a cache are all pad). None when no row has a cache: the forward starts from an empty one."""
+        if self.cache_width == 0:
+            return None
+        # Any row with a cache shows every layer's tensors (an MLA layer's differ from a standard one's).
+        template = next(cache for cache, c in zip(caches, self.cache_lens, strict=True) if c and cache is not None)
 
         def padded(layer: int, part: int) -> torch.Tensor:
+            like = template[layer][part]
+            empty = like.new_zeros(0, like.shape[0], like.shape[2])
             rows = [
                 cache[layer][part].transpose(0, 1) if c and cache is not None else empty
                 for cache, c in zip(caches, self.cache_lens, strict=True)
@@ -79,22 +88,17 @@ class RaggedLayout:
             batch = pad_sequence(rows, batch_first=True, padding_side="left")  # (B, max len, heads, dim)
             return batch.transpose(1, 2)
 
-        if self.cache_width == 0:
-            return [(torch.zeros(len(caches), heads, 0, dim),) * 2 for _ in range(num_layers)]
-        return [(padded(layer, 0), padded(layer, 1)) for layer in range(num_layers)]
+        return [tuple(padded(layer, part) for part in range(len(states))) for layer, states in enumerate(template)]
 
-    def split_cache(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], row: int):
+    def split_cache(self, layer_states: list[LayerCache], row: int) -> list[LayerCache]:
         """Row ``row``'s cache after the forward: its old real columns plus its new real columns. Where they are
         adjacent (no padding between: every decode step, every first prefill) it is a view, not a copy."""
         cw, c, pad = self.cache_width, self.cache_lens[row], self.new_pad(row)
         if pad == 0 or c == 0:
             real = slice(cw - c, None) if pad == 0 else slice(cw + pad, None)
-            return [(k[row, :, real], v[row, :, real]) for k, v in layer_kv]
+            return [tuple(t[row, :, real] for t in states) for states in layer_states]
         old, new = slice(cw - c, cw), slice(cw + pad, None)
-        return [
-            (torch.cat([k[row, :, old], k[row, :, new]], dim=1), torch.cat([v[row, :, old], v[row, :, new]], dim=1))
-            for k, v in layer_kv
-        ]
+        return [tuple(torch.cat([t[row, :, old], t[row, :, new]], dim=1) for t in states) for states in layer_states]
 
     def new_rows(self, per_token: torch.Tensor, row: int) -> torch.Tensor:
         """The real new-token part of a ``(B, N, ...)`` tensor for one row."""

@@ -13,6 +13,7 @@ from miles_runner.models.tiny_model import ensure_tiny_model
 from .server_process import EngineProcess, start_engine
 
 MAX_LORA_RANK = 8
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,11 @@ def tiny_moe_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_dense_dir() -> Path:
     return ensure_tiny_model("tiny-dense")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_dir() -> Path:
+    return ensure_tiny_model("tiny-glm5")
 
 
 def _save_adapter(model_dir: Path, out: Path, seed: int, **lora_kwargs) -> Path:
@@ -57,6 +63,13 @@ def adapter_dirs(tiny_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         ),
         "too_big": _save_adapter(tiny_moe_dir, root / "too_big", 4, r=16, lora_alpha=16, target_modules=["q_proj"]),
     }
+
+
+@pytest.fixture(scope="session")
+def glm5_adapter_dir(tiny_glm5_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real peft adapter for the tiny GLM-5 on every MLA linear."""
+    out = tmp_path_factory.mktemp("glm5_adapter") / "mla"
+    return _save_adapter(tiny_glm5_dir, out, 5, r=4, lora_alpha=16, target_modules=list(MLA_TARGETS))
 
 
 @pytest.fixture(scope="session")

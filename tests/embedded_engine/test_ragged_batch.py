@@ -34,15 +34,45 @@ def reference_stack(layout: RaggedLayout, caches) -> list[tuple[torch.Tensor, to
 def test_stacked_caches_are_left_padded_as_a_row_by_row_copy_would_be():
     layout = RaggedLayout(cache_lens=[5, 0, 3, 5], new_lens=[1, 4, 2, 1])
     caches = [row_cache(5, 1), None, row_cache(3, 2), row_cache(5, 3)]
-    stacked = layout.stack_cache(caches, LAYERS, (HEADS, DIM))
+    stacked = layout.stack_cache(caches)
     for (keys, values), (want_keys, want_values) in zip(stacked, reference_stack(layout, caches), strict=True):
         assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
-def test_no_row_has_a_cache_gives_empty_batch_caches():
+def test_no_row_has_a_cache_gives_no_batch_cache():
     layout = RaggedLayout(cache_lens=[0, 0], new_lens=[3, 2])
-    stacked = layout.stack_cache([None, None], LAYERS, (HEADS, DIM))
-    assert [tuple(k.shape) for k, _ in stacked] == [(2, HEADS, 0, DIM)] * LAYERS
+    assert layout.stack_cache([None, None]) is None
+
+
+def mla_row_cache(length: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    """An MLA layer's latent (1 head, 6 wide) and rope key (1 head, 2 wide), then an indexer's keys (1 head, 3 wide)
+    on the first layer only, as GLM-5 caches them when the second layer shares the first one's top-k."""
+    generator = torch.Generator().manual_seed(seed)
+    widths = [(6, 2, 3), (6, 2)]
+    return [tuple(torch.randn(1, length, w, generator=generator) for w in layer) for layer in widths]
+
+
+def test_each_cached_tensor_keeps_its_own_shape_through_stack_and_split():
+    layout = RaggedLayout(cache_lens=[4, 0, 2], new_lens=[1, 3, 2])
+    caches = [mla_row_cache(4, 1), None, mla_row_cache(2, 2)]
+    stacked = layout.stack_cache(caches)
+    assert [[tuple(t.shape) for t in layer] for layer in stacked] == [
+        [(3, 1, 4, 6), (3, 1, 4, 2), (3, 1, 4, 3)],
+        [(3, 1, 4, 6), (3, 1, 4, 2)],
+    ]
+    # After a forward each tensor has grown by the new width; a row's split is its own columns of every tensor.
+    grown = [tuple(torch.cat([t, torch.randn(3, 1, 3, t.shape[-1])], dim=2) for t in layer) for layer in stacked]
+    for row, cache in enumerate(caches):
+        split = layout.split_cache(grown, row)
+        total = layout.cache_lens[row] + layout.new_lens[row]
+        assert [[tuple(t.shape) for t in layer] for layer in split] == [
+            [(1, total, 6), (1, total, 2), (1, total, 3)],
+            [(1, total, 6), (1, total, 2)],
+        ]
+        if cache is not None:  # the old columns come back unchanged
+            for layer, states in enumerate(cache):
+                for part, tensor in enumerate(states):
+                    assert torch.equal(split[layer][part][:, : tensor.shape[1]], tensor)
 
 
 def test_split_gives_each_rows_real_columns_and_views_where_they_are_adjacent():

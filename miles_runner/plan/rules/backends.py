@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from miles_runner.config.schema import EngineConfig, MilesConfig, SessionConfig
-from miles_runner.plan.derive import Derived
+from miles_runner.plan.derive import Derived, parse_tiny_model
+from miles_runner.plan.model_shape import checkpoint_config
 from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
 
 # Rule ids of the refusals of what this release has not built (docs/refusals.md lists them).
 NOT_BUILT = (
-    "embedded-engine-mla-not-built",
+    "embedded-engine-dsa-sparse-topk-not-built",
     "full-weight-training-not-built",
     "fully-async-not-built",
     "train-only-adapter-not-built",
@@ -77,17 +78,25 @@ def fsdp_trainer_on_gpus_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
         )
 
 
-@rule("embedded-engine-mla-not-built")
-def embedded_engine_mla_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    """The embedded engine's KV cache keeps one (heads, head_dim) shape for keys and values; MLA caches a latent and
-    a rope part of other widths, and DSA an indexer key cache besides: its first prefill would fail."""
+@rule("embedded-engine-dsa-sparse-topk-not-built")
+def embedded_engine_dsa_sparse_topk_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """The embedded engine runs transformers' DSA indexer, which keeps each query's index_topk best-scored keys. Its
+    top-k breaks tied scores (ReLU makes exact zeros common) by column, and a ragged batch's padding or a prefix-cache
+    hit moves the columns: once a context outgrows index_topk, a request's attention would depend on the requests
+    beside it. Within index_topk tokens every key is kept, whatever the layout. A checkpoint not on this machine is
+    checked by the engine at start."""
     m = cfg.model
-    if cfg.engine.kind == "embedded" and (m.kv_lora_rank > 0 or m.has_dsa_indexer):
+    if cfg.engine.kind != "embedded" or not m.has_dsa_indexer:
+        return
+    tiny = parse_tiny_model(m.path)
+    index_topk = (checkpoint_config(d.model_path, tiny[0] if tiny else None) or {}).get("index_topk")
+    if index_topk is not None and m.max_context_len > index_topk:
         yield Finding(
-            ("engine.kind", "model.kv_lora_rank", "model.has_dsa_indexer"),
-            f"The embedded engine does not serve {m.name}'s MLA attention (or a DSA indexer) in this release; "
-            "SGLang does, on GPUs.",
-            "model=tiny_moe",
+            ("engine.kind", "model.max_context_len", "model.has_dsa_indexer"),
+            f"The embedded engine serves {m.name}'s DSA indexer only while it keeps every token: a context of "
+            f"{m.max_context_len} tokens outgrows its index_topk of {index_topk}, and its sparse selection, whose "
+            "ties depend on the batch's padding, is not built batch-invariant; SGLang serves it, on GPUs.",
+            f"model.max_context_len={index_topk}",
         )
 
 
