@@ -98,6 +98,11 @@ MEGATRON_LORA = {
     "raw": "megatron-core, raw LoRA on megatron linears",
     "bridge": "megatron-core + Megatron-Bridge PEFT LoRA",
 }
+# Multi-LoRA: Megatron-Bridge 0.6.2 has no MultiLoRA, so the slots are raw LoRA slots on either model.
+MEGATRON_SLOTS = {
+    "raw": "megatron-core, raw LoRA slots (one per adapter) on megatron linears",
+    "bridge": "Megatron-Bridge's model, raw LoRA slots (one per adapter) on its linears",
+}
 QKV_FORMATS = {"thd": "thd packs samples", "bshd": "bshd pads rows"}
 
 
@@ -131,7 +136,8 @@ def megatron_line(plan: Plan) -> str:
     """What the Megatron trainer runs: its LoRA path, its qkv format, and sequence parallelism, which it turns on
     whenever TP > 1 (trainer/megatron/parallel.Layout.from_plan)."""
     t, p = plan.trainer, plan.trainer.parallel
-    parts = [MEGATRON_LORA.get(t.lora_mode, "megatron-core"), QKV_FORMATS[p.qkv_format]]
+    paths = MEGATRON_SLOTS if plan.multi_lora else MEGATRON_LORA
+    parts = [paths.get(t.lora_mode, "megatron-core"), QKV_FORMATS[p.qkv_format]]
     return ", ".join(parts + (["SP"] if p.tp > 1 else []))
 
 

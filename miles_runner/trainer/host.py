@@ -1,4 +1,5 @@
-"""A trainer in an interpreter of its own (`trainer.python`): the driver's `Trainer` is a proxy of a host process.
+"""A trainer in an interpreter of its own (`trainer.python`): the driver's `Trainer` (or `MultiLoRATrainer`, for a
+multi-LoRA plan) is a proxy of a host process.
 
 Megatron-Bridge 0.6.2 needs Python 3.12 and a torch build of its own, while the rest of the runner (Ray, the
 router, the session server, the CPU torch) runs in the project's environment; on a GPU cluster the two are one
@@ -29,13 +30,14 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from miles_runner.core.adapters import AdapterSpec
 from miles_runner.core.errors import ComponentFailure
 from miles_runner.plan.model import Plan
 from miles_runner.plan.record import read_plan
@@ -44,7 +46,13 @@ from miles_runner.procs.launch import launch_process
 from miles_runner.procs.process import ManagedProcess
 from miles_runner.trainer.host_wire import CLOSE, FAILED, OK, receive, send
 from miles_runner.trainer.logprobs import TrainingSample
-from miles_runner.trainer.ranks import RankedTrainer, RemoteRanks, make_trainer
+from miles_runner.trainer.ranks import (
+    RankedMultiLoRATrainer,
+    RankedTrainer,
+    RemoteRanks,
+    make_multi_lora_trainer,
+    make_trainer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +73,27 @@ CALLS = frozenset(
         "onload_state",
     }
 )
+# A multi-LoRA plan's: the `MultiLoRATrainer` Protocol.
+MULTI_LORA_CALLS = frozenset(
+    {
+        "load_adapter",
+        "clear_adapter",
+        "train",
+        "probe_log_probs",
+        "adapter_state",
+        "adapter_config",
+        "adapter_step",
+        "state_dict",
+    }
+)
 
 
 class TrainerHostError(RuntimeError):
     """A call the trainer host ran raised: the host's exception and traceback."""
 
 
-class HostedTrainer:
-    """The driver's `Trainer` of a plan whose trainer runs in `trainer.python`: every call goes to the host."""
+class _Host:
+    """The driver's end of a trainer host: starts it, and sends it one call at a time."""
 
     def __init__(self, plan: Plan, run_dir: Path) -> None:
         assert plan.trainer.host is not None
@@ -147,6 +168,28 @@ class HostedTrainer:
                 self._check_alive("during a call")
                 raise
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Tell the host to close its trainer (its ranks leave) and wait for it to exit (idempotent)."""
+        if self._folder is None:
+            return
+        if self._lock.acquire(timeout=timeout_s):  # not amid a call another thread still waits on
+            try:
+                with contextlib.suppress(OSError):
+                    send(self._connection, (CLOSE, (), {}))
+            finally:
+                self._lock.release()
+        deadline = time.monotonic() + timeout_s
+        while self._process.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._process.stop()
+        self._connection.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+        self._folder = None  # type: ignore[assignment]
+
+
+class HostedTrainer(_Host):
+    """The driver's `Trainer` of a plan whose trainer runs in `trainer.python`: every call goes to the host."""
+
     def train(self, samples: Sequence[TrainingSample]) -> dict[str, float]:
         return self._call("train", samples)
 
@@ -183,26 +226,37 @@ class HostedTrainer:
     def onload_state(self) -> dict[str, Any]:
         return self._call("onload_state")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Tell the host to close its trainer (its ranks leave) and wait for it to exit (idempotent)."""
-        if self._folder is None:
-            return
-        if self._lock.acquire(timeout=timeout_s):  # not amid a call another thread still waits on
-            try:
-                with contextlib.suppress(OSError):
-                    send(self._connection, (CLOSE, (), {}))
-            finally:
-                self._lock.release()
-        deadline = time.monotonic() + timeout_s
-        while self._process.alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self._process.stop()
-        self._connection.close()
-        shutil.rmtree(self._folder, ignore_errors=True)
-        self._folder = None  # type: ignore[assignment]
+
+class HostedMultiLoRATrainer(_Host):
+    """The driver's `MultiLoRATrainer` of a multi-LoRA plan whose trainer runs in `trainer.python`."""
+
+    def load_adapter(self, slot: int, adapter: AdapterSpec, state: dict[str, Any] | None = None) -> None:
+        self._call("load_adapter", slot, adapter, state)
+
+    def clear_adapter(self, slot: int) -> None:
+        self._call("clear_adapter", slot)
+
+    def train(self, samples: Sequence[TrainingSample], step_slots: Collection[int]) -> dict[int, dict[str, float]]:
+        return self._call("train", samples, list(step_slots))
+
+    def probe_log_probs(self, token_ids: Sequence[int], slot: int) -> list[float]:
+        return self._call("probe_log_probs", list(token_ids), slot)
+
+    def adapter_state(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._call("adapter_state", slot)
+
+    def adapter_config(self, slot: int) -> dict[str, Any]:
+        return self._call("adapter_config", slot)
+
+    def adapter_step(self, slot: int) -> int:
+        return self._call("adapter_step", slot)
+
+    def state_dict(self, slot: int) -> dict[str, Any]:
+        return self._call("state_dict", slot)
 
 
 DriverTrainer = RankedTrainer | HostedTrainer
+DriverMultiLoRATrainer = RankedMultiLoRATrainer | HostedMultiLoRATrainer
 
 
 def open_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> DriverTrainer:
@@ -213,12 +267,22 @@ def open_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -
     return HostedTrainer(plan, run_dir)
 
 
+def open_multi_lora_trainer(plan: Plan, run_dir: Path, remote: RemoteRanks | None = None) -> DriverMultiLoRATrainer:
+    """The driver's trainer of a multi-LoRA plan, as `open_trainer`."""
+    if plan.trainer.host is None:
+        return make_multi_lora_trainer(plan, run_dir, remote)
+    return HostedMultiLoRATrainer(plan, run_dir)
+
+
 def serve(run_dir: Path, socket_path: str) -> None:
     """The host: build rank 0 of the plan's trainer, then answer the driver's calls until it closes or goes."""
     connection = Client(socket_path, family="AF_UNIX")
     run_dir = run_dir.resolve()  # the ranks' logs and plan, wherever they are started from
     try:
-        trainer = make_trainer(read_plan(run_dir / "plan.yaml"), run_dir)
+        plan = read_plan(run_dir / "plan.yaml")
+        multi = plan.capabilities.multi_lora
+        trainer = make_multi_lora_trainer(plan, run_dir) if multi else make_trainer(plan, run_dir)
+        calls = MULTI_LORA_CALLS if multi else CALLS
     except Exception as error:
         send(connection, (FAILED, f"building the trainer: {type(error).__name__}: {error}", traceback.format_exc()))
         raise
@@ -231,13 +295,15 @@ def serve(run_dir: Path, socket_path: str) -> None:
                 return
             if name == CLOSE:
                 return
-            send(connection, _run(trainer, name, args, kwargs))
+            send(connection, _run(trainer, calls, name, args, kwargs))
     finally:
         trainer.close()
 
 
-def _run(trainer: RankedTrainer, name: str, args: tuple, kwargs: dict) -> tuple:
-    if name not in CALLS:
+def _run(
+    trainer: RankedTrainer | RankedMultiLoRATrainer, calls: frozenset[str], name: str, args: tuple, kwargs: dict
+) -> tuple:
+    if name not in calls:
         return FAILED, f"ValueError: {name!r} is not a trainer call", ""
     try:
         return OK, getattr(trainer, name)(*args, **kwargs)

@@ -72,11 +72,16 @@ def build_trainer(plan: Plan) -> Trainer:
 
 
 def build_multi_lora_trainer(plan: Plan) -> MultiLoRATrainer:
-    """This rank's trainer of a multi-LoRA plan: raw LoRA slots on Megatron for trainer=megatron, else peft's."""
+    """This rank's trainer of a multi-LoRA plan: raw LoRA slots on Megatron's model (or Bridge's) for
+    trainer=megatron, else peft's."""
     _compute_threads(plan)
     if plan.trainer.backend == "megatron":
         from miles_runner.trainer.megatron.multi_lora import build_megatron_multi_lora_trainer
 
+        if plan.trainer.lora_mode == "bridge":  # Megatron-Bridge's model (Python 3.12), raw LoRA slots
+            from miles_runner.trainer.megatron.bridge import BridgeMultiLoRATrainer
+
+            return build_megatron_multi_lora_trainer(plan, BridgeMultiLoRATrainer)
         return build_megatron_multi_lora_trainer(plan)
     return PeftMultiLoRATrainer(plan.model_path, MultiLoRASettings.from_plan(plan))
 

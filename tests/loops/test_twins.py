@@ -1,7 +1,9 @@
 """The CPU twin of a GPU recipe runs its exact path end to end and learns: `miles-run +recipe=<twin>` with
-Megatron-Bridge LoRA (hosted by the Python 3.12 environment `make test` builds), colocated engines behind the
-real sglang-router, the session server, in_place pauses, incremental R3 replayed by the trainer, offload both
-ways and the Ray executor (tests/plan/test_twins.py holds its plan to the GPU recipe's).
+the Megatron trainer on Megatron-Bridge's model (hosted by the Python 3.12 environment `make test` builds), behind
+the real sglang-router, under the Ray executor (tests/plan/test_twins.py holds each plan to its GPU recipe's). The
+qwen3 twin: Bridge LoRA, colocated engines, the session server, in_place pauses, incremental R3 replayed by the
+trainer, offload both ways. The multi_lora_math twin: three adapters in Megatron multi-LoRA slots, disaggregated
+engines, in_place pauses with staleness 3, TIS.
 
 The control is test_learning.py's: the same run with the rollouts kept on the initial adapter (and push
 verification off, which would otherwise stop it at the first push) must not gain.
@@ -16,13 +18,15 @@ from pathlib import Path
 import pytest
 
 from miles_runner.core.paths import source_checkout
-from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, WINDOW, gain, run_default_recipe
+from tests.loops.recipe_runs import LEARNING_RUN, MARGIN, WINDOW, gain, records, run_default_recipe
 from tests.run_files import files_named
 
 RUN_TIMEOUT_S = 1500  # 35 Megatron-Bridge steps through the session server, on a loaded 2-core machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)]
 
 QWEN3_TWIN = "tiny_qwen3_30b_a3b_r3_session"
+MULTI_LORA_TWIN = "tiny_multi_lora_math"
+MULTI_LORA_TIMEOUT_S = 900  # 40 steps of three tiny adapters: about 2 minutes on a quiet 2-core machine
 # The spec's colocated step (train.py): the trainer leaves before the engines take their weights back.
 STEP_ORDER = ["offload_rollout", "onload_train", "offload_train", "onload_weights", "update_weights", "onload_kv"]
 
@@ -66,3 +70,29 @@ def test_the_qwen3_twin_runs_the_gpu_path_and_learns_only_with_its_adapter(tmp_p
         order = [e["event"] for e in events if e["iteration"] == step]
         # A checkpoint reads the trainer's state after the step (onloaded by that read), then offloads it again.
         assert order in (STEP_ORDER, [*STEP_ORDER, "offload_train"]), (step, order)
+
+
+def adapter_gains(records: list[dict]) -> dict[str, float]:
+    """Each adapter's last quarter's mean reward minus its first quarter's (its rewards in iteration order)."""
+    gains = {}
+    for name in ("count", "retry", "letters"):
+        rewards = [r[f"{name}/reward/mean"] for r in records if f"{name}/reward/mean" in r]
+        quarter = len(rewards) // 4
+        gains[name] = sum(rewards[-quarter:]) / quarter - sum(rewards[:quarter]) / quarter
+    return gains
+
+
+def test_the_multi_lora_twin_runs_megatron_slots_and_learns_only_with_its_adapters(tmp_path):
+    for root, fault in ((tmp_path / "adapters", False), (tmp_path / "frozen", True)):
+        run_default_recipe(root, fault=fault, recipe=MULTI_LORA_TWIN, timeout_s=MULTI_LORA_TIMEOUT_S)
+    learned, frozen = adapter_gains(records(tmp_path / "adapters")), adapter_gains(records(tmp_path / "frozen"))
+    print(f"gains with the adapters {learned}, with rollouts frozen on the initial adapters {frozen}")
+    assert sum(learned.values()) / 3 >= MARGIN, learned
+    assert sum(frozen.values()) / 3 < MARGIN, frozen
+
+    [run_dir] = [p.parent for p in files_named(tmp_path / "adapters", "plan.yaml")]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.startswith(f"# trainer: {os.environ['MILES_BRIDGE_PYTHON']} -m miles_runner.trainer.host")
+    pushed = [e for e in jsonl(run_dir / "multi_lora_events.jsonl") if e["event"] == "pushed"]
+    gaps = [gap for e in pushed for gap in e["probe_gaps"].values()]
+    assert len(gaps) >= 3 * 10 and max(gaps) <= 0.01  # every push of every slot scored alike by both engines

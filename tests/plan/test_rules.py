@@ -233,7 +233,7 @@ CASES = [
     RuleCase("lora-target-unknown", CPU, ("adapters.target_modules=[q_prj]",), ("adapters.target_modules=[q_proj]",)),
     # ---- multi-LoRA ----
     RuleCase("multi-lora-needs-disaggregated", TINY_MULTI, ("topology=colocated",), ("topology=disaggregated",)),
-    RuleCase("multi-lora-needs-slotted-lora", MATH, RAW, ("lora_mode=bridge",)),
+    RuleCase("multi-lora-needs-slotted-lora", MATH, ("lora_mode=none",), ("lora_mode=bridge",)),
     RuleCase("multi-lora-needs-slotted-lora", TINY_MULTI, ("lora_mode=none",), ("lora_mode=peft",), "fsdp"),
     RuleCase("multi-lora-needs-pp1", MATH, ("trainer.parallel.pp=2",), ("trainer.parallel.pp=1",)),
     RuleCase("multi-lora-needs-adam", MATH, ("optimizer.name=muon",), ("optimizer.name=adam",)),
@@ -322,7 +322,7 @@ CASES = [
              ("adapters.lora_type=lora",)),
     RuleCase("megatron-lora-layout-not-built", MEGATRON_CPU, ("adapters.experts_shared_outer=true",),
              ("adapters.experts_shared_outer=false",), "shared-outer"),
-    RuleCase("megatron-multi-lora-not-built", TINY_MULTI, ("trainer=megatron", "lora_mode=bridge"), ()),
+    RuleCase("bridge-multi-lora-needs-converter", MATH, ("model=glm52_744b_a40b",), ("model=qwen3_4b",)),
     RuleCase("megatron-parallelism-not-built", MEGATRON_CPU, ("trainer.parallel.pp=2",), ("trainer.parallel.pp=1",)),
     RuleCase("megatron-parallelism-not-built", MEGATRON_CPU, ("trainer.parallel.cp=2",), ("trainer.parallel.cp=1",),
              "cp"),
@@ -339,8 +339,9 @@ CASES = [
              ("adapters.target_modules=[q_a_proj,kv_b_proj,o_proj]",)),
     RuleCase("lora-target-not-in-model", CPU, ("adapters.target_modules=[kv_b_proj,o_proj]",),
              ("adapters.target_modules=[o_proj]",), "standard"),
-    RuleCase("embedded-engine-mla-not-built", CPU, ("model=tiny_glm5", "adapters.target_modules=[q_a_proj,o_proj]"),
-             ("model=tiny_moe", "adapters.target_modules=[q_proj,o_proj]")),
+    RuleCase("embedded-engine-dsa-sparse-topk-not-built",
+             ("model=tiny_glm5", "adapters.target_modules=[q_a_proj,o_proj]"),  # index_topk 2048
+             ("model.max_context_len=4096",), ("model.max_context_len=2048",)),
     RuleCase("megatron-cpu-dsa-tensor-parallel-not-built",
              (*MEGATRON_CPU, "lora_mode=bridge", "model=tiny_glm5", "trainer.python=.venv-bridge/bin/python",
               "adapters.target_modules=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"),
@@ -348,7 +349,6 @@ CASES = [
     RuleCase("trainer-python-runs-bridge", (*MEGATRON_CPU, "lora_mode=bridge"), (),
              ("trainer.python=.venv-bridge/bin/python",)),  # `make test` builds it first
     RuleCase("trainer-python-runs-bridge", MEGATRON_CPU, ("trainer.python=/no/such/python",), (), "missing"),
-    RuleCase("hosted-multi-lora-trainer-not-built", TINY_MULTI, ("trainer.python=python3",), ()),
     RuleCase("hosted-trainer-multi-node-not-built", TWO_CPU_NODES, ("trainer.python=python3",), ()),
     RuleCase("megatron-offload-not-built", MEGATRON_CPU, ("optimizer.cpu_offload=true",),
              ("optimizer.cpu_offload=false",), "optimizer"),

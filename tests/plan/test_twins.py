@@ -15,7 +15,10 @@ import pytest
 from miles_runner.plan.compile import compile_design
 from miles_runner.plan.model import plan_to_dict
 
-TWINS = {"tiny_qwen3_30b_a3b_r3_session": "qwen3_30b_a3b_r3_session"}
+TWINS = {
+    "tiny_qwen3_30b_a3b_r3_session": "qwen3_30b_a3b_r3_session",
+    "tiny_multi_lora_math": "multi_lora_math",
+}
 
 CLUSTER = "the cluster: one node of two CPU devices, no GPU"
 MODEL = "the model's size: the tiny MoE (same family and MoE routing, 2 layers)"
@@ -59,6 +62,12 @@ REVIEWED: dict[str, str] = {
     "adapters.*.lr": WORKLOAD,
     "adapters.*.rollout_batch_size": WORKLOAD,
     "batch.*": WORKLOAD,
+    "adapters.*.name": WORKLOAD + " (each adapter named after its task)",
+    "adapters.*.num_step": WORKLOAD,
+    "algorithm.global_batch_size": WORKLOAD,
+    "multi_lora.max_adapter_global_batch_size": WORKLOAD + " (4 x the global batch, derived)",
+    "engines.2.*": CLUSTER + ": two engines on CPU devices (GPU: four)",
+    "engines.3.*": CLUSTER + ": two engines on CPU devices (GPU: four)",
 }
 # Command-line flags the same reasons change; every other flag of a server's command must be the same.
 REVIEWED_FLAGS = {
@@ -72,6 +81,7 @@ REVIEWED_FLAGS = {
     "--engine-build": ENGINE,
     "--max-n": ENGINE + " (its request limits; SGLang has none)",
     "--max-batch-size": ENGINE,
+    "--worker-urls": CLUSTER + ": the router's workers are the twin's engines",
 }
 
 

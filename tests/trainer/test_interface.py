@@ -9,9 +9,10 @@ import inspect
 import pytest
 
 from miles_runner.trainer.fsdp import FSDPTrainer
-from miles_runner.trainer.host import HostedTrainer
+from miles_runner.trainer.host import HostedMultiLoRATrainer, HostedTrainer
 from miles_runner.trainer.interface import MultiLoRATrainer, Trainer
-from miles_runner.trainer.megatron.bridge import BridgeTrainer
+from miles_runner.trainer.megatron.bridge import BridgeMultiLoRATrainer, BridgeTrainer
+from miles_runner.trainer.megatron.multi_lora import MegatronMultiLoRATrainer
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
 from miles_runner.trainer.multi_lora import PeftMultiLoRATrainer
 from miles_runner.trainer.ranks import RankedMultiLoRATrainer, RankedTrainer
@@ -23,7 +24,10 @@ IMPLEMENTATIONS = [
     (RankedTrainer, Trainer),
     (HostedTrainer, Trainer),
     (PeftMultiLoRATrainer, MultiLoRATrainer),
+    (MegatronMultiLoRATrainer, MultiLoRATrainer),
+    (BridgeMultiLoRATrainer, MultiLoRATrainer),
     (RankedMultiLoRATrainer, MultiLoRATrainer),
+    (HostedMultiLoRATrainer, MultiLoRATrainer),
 ]
 
 

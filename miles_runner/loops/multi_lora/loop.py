@@ -34,8 +34,8 @@ from miles_runner.rollout.multi_lora import MultiLoRARollout
 from miles_runner.sglang_client.client import EngineClient
 from miles_runner.tracking.event_log import EventLog
 from miles_runner.tracking.tracker import Tracker
+from miles_runner.trainer.host import open_multi_lora_trainer
 from miles_runner.trainer.interface import MultiLoRATrainer
-from miles_runner.trainer.ranks import make_multi_lora_trainer
 from miles_runner.weight_sync.probe import PushProbe, probe_token_ids
 from miles_runner.weight_sync.sync import make_sync
 
@@ -85,7 +85,7 @@ class MultiLoRALoop:
         assert m is not None  # checked in __init__
         key = deployment.api_key  # the run's key: the engines, the session server and the controller require it
         async with contextlib.AsyncExitStack() as stack:
-            trainer = make_multi_lora_trainer(plan, self.run_dir, deployment.remote_ranks)
+            trainer = open_multi_lora_trainer(plan, self.run_dir, deployment.remote_ranks)
             stack.callback(trainer.close)  # the other trainer ranks leave
             engines = [await stack.enter_async_context(EngineClient(u, api_key=key)) for u in deployment.engine_urls]
             controller = await stack.enter_async_context(ControllerClient(m.launch.url, api_token=key))

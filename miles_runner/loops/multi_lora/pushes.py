@@ -61,18 +61,22 @@ class Pushes:
         if engines_new:
             await self.sync.reset()  # a new engine holds no adapter and is in no weight-update group
         names = set(loaded) if engines_new else self.due & set(loaded)
+        gaps: dict[str, float] = {}
         for name in sorted(names, key=lambda n: loaded[n].slot):
             try:
-                await self._push(loaded[name])
+                gap = await self._push(loaded[name])
             except SyncVerificationError as error:
                 raise SyncVerificationError(f"iteration {iteration}, adapter {name}: {error}") from None
-        await self._record(sorted(self.due & names), iteration)
+            if gap is not None:
+                gaps[name] = gap
+        await self._record(sorted(self.due & names), iteration, gaps)
         if engines_new:
             self.events.write(iteration, "pushed_all", names=sorted(names), engine_adapters=await self._listed())
         self.due -= names
         return time.perf_counter() - started
 
-    async def _push(self, run: AdapterRun) -> None:
+    async def _push(self, run: AdapterRun) -> float | None:
+        """Push the slot's adapter; the probe's largest engine gap (None without verification)."""
         self.count += 1
         state, config = self.trainer.adapter_state(run.slot), self.trainer.adapter_config(run.slot)
         if self.frozen is not None:  # the fault: the adapter's first pushed weights, under every later version
@@ -81,13 +85,16 @@ class Pushes:
         await self.sync.push(state, config, self.count, lora_name=run.lora_name)
         if self.probe is not None:  # the trainer's slot holds exactly what was pushed until it steps again
             mine = await asyncio.to_thread(self.trainer.probe_log_probs, self.probe.token_ids, run.slot)
-            await self.probe.check(mine, run.lora_name, what=f"weight version {self.count}")
+            report = await self.probe.check(mine, run.lora_name, what=f"weight version {self.count}")
+            return max(report.gaps)
+        return None
 
-    async def _record(self, bumped: list[str], iteration: int) -> None:
-        """The controller counts a weight version for each adapter that stepped or is new (not a mere re-push)."""
+    async def _record(self, bumped: list[str], iteration: int, gaps: dict[str, float]) -> None:
+        """The controller counts a weight version for each adapter that stepped or is new (not a mere re-push); the
+        event keeps each pushed adapter's probe gap."""
         if bumped:
             await self.controller.record_weight_update(bumped)
-            self.events.write(iteration, "pushed", names=bumped)
+            self.events.write(iteration, "pushed", names=bumped, probe_gaps={n: gaps[n] for n in bumped if n in gaps})
 
     async def _listed(self) -> list[list[str]]:
         """The adapters each engine lists in /v1/models (the base model first, left out), for the audit."""

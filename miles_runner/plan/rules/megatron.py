@@ -24,7 +24,6 @@ EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 NOT_BUILT = (
     "megatron-cpu-dsa-tensor-parallel-not-built",
     "megatron-lora-layout-not-built",
-    "megatron-multi-lora-not-built",
     "megatron-parallelism-not-built",
     "megatron-offload-not-built",
 )
@@ -122,13 +121,22 @@ def megatron_lora_layout_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Fin
         )
 
 
-@rule("megatron-multi-lora-not-built")
-def megatron_multi_lora_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.backend == "megatron" and d.multi_lora:
+@rule("bridge-multi-lora-needs-converter")
+def bridge_multi_lora_needs_converter(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """miles' Megatron multi-LoRA is Megatron-Bridge's MultiLoRA, which no release up to the pinned 0.6.2 has; here
+    the slots are raw LoRA slots on Bridge's model, exported in PEFT names by the project's converter, which names
+    the raw LoRA families only (trainer/megatron/multi_lora.py)."""
+    family = cfg.model.family
+    if (
+        _megatron_lora(cfg, d)
+        and d.multi_lora
+        and cfg.trainer.lora_mode == "bridge"
+        and family not in RAW_LORA_FAMILIES
+    ):
         yield Finding(
-            (BACKEND, ADAPTERS),
-            "Multi-LoRA on Megatron needs Megatron-Bridge's MultiLoRA slots (per-adapter token spans in thd "
-            "packing, per-slot optimizer state); this release trains multi-LoRA with the FSDP trainer.",
+            (BACKEND, ADAPTERS, "model.family"),
+            f"Megatron multi-LoRA slots export through the project's converter, which has no {family} names "
+            f"(it has {', '.join(sorted(RAW_LORA_FAMILIES))}); Megatron-Bridge 0.6.2 has no MultiLoRA of its own.",
             "trainer=fsdp lora_mode=peft",
         )
 

@@ -44,11 +44,13 @@ def multi_lora_needs_disaggregated(cfg: MilesConfig, d: Derived) -> Iterator[Fin
 @rule("multi-lora-needs-slotted-lora")
 @_multi
 def multi_lora_needs_slotted_lora(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.lora_mode not in ("bridge", "peft"):
+    """miles forces megatron_to_hf_mode=bridge because its slots are Megatron-Bridge's MultiLoRA; here the raw LoRA
+    has slots of its own (trainer/megatron/multi_lora.py), so Megatron takes raw too."""
+    if cfg.trainer.lora_mode not in ("bridge", "raw", "peft"):
         yield Finding(
             (ADAPTERS, LORA_MODE),
-            "Per-adapter slots exist in the bridge PEFT path (Megatron) and the peft path (FSDP) only.",
-            "lora_mode=bridge" if cfg.trainer.backend == "megatron" else "lora_mode=peft",
+            "Per-adapter slots exist in the Megatron LoRA paths (raw, bridge) and the peft path (FSDP) only.",
+            "lora_mode=raw" if cfg.trainer.backend == "megatron" else "lora_mode=peft",
         )
 
 

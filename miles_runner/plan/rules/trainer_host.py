@@ -9,21 +9,11 @@ from pathlib import Path
 
 from miles_runner.config.schema import MilesConfig
 from miles_runner.plan.derive import Derived
-from miles_runner.plan.rules.base import ADAPTERS, BACKEND, LORA_MODE, Finding, rule
+from miles_runner.plan.rules.base import BACKEND, LORA_MODE, Finding, rule
 
-NOT_BUILT = ("hosted-multi-lora-trainer-not-built", "hosted-trainer-multi-node-not-built")
+NOT_BUILT = ("hosted-trainer-multi-node-not-built",)
 PYTHON = "trainer.python"
 BRIDGE_FIX = "trainer.python=.venv-bridge/bin/python"  # the side environment `make bridge-env` builds
-
-
-@rule("hosted-multi-lora-trainer-not-built")
-def hosted_multi_lora_trainer_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.python and d.multi_lora:
-        yield Finding(
-            (PYTHON, ADAPTERS),
-            "A trainer in an interpreter of its own hosts one adapter's trainer in this release, not multi-LoRA.",
-            "trainer.python=''",
-        )
 
 
 @rule("hosted-trainer-multi-node-not-built")

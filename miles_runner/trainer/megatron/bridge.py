@@ -40,9 +40,11 @@ import torch.distributed as dist
 from miles_runner.core.adapters import AdapterSpec
 from miles_runner.trainer.megatron.bridge_compat import apply_bridge_adaptations, dsa_local_block_spec, uses_dsa
 from miles_runner.trainer.megatron.model import MegatronCausalLM, enable_routing_replay, recompute_layers
+from miles_runner.trainer.megatron.multi_lora import MegatronMultiLoRATrainer
 from miles_runner.trainer.megatron.parallel import Layout
 from miles_runner.trainer.megatron.raw_lora import megatron_targets
 from miles_runner.trainer.megatron.trainer import MegatronTrainer
+from miles_runner.trainer.multi_lora import MultiLoRASettings
 from miles_runner.trainer.policy_trainer import TrainerSettings
 
 EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")  # on a MoE model these name every expert's linears
@@ -224,25 +226,11 @@ def build_bridge_lora_model(
     parallel.initialize) with Bridge's LoRA on ``adapter``'s targets; the adapter init draws from ``seed`` (the
     same full tensors at any TP). ``routing_replay`` and ``recompute`` as in model.build_model (the same hooks on
     Bridge's GPTModel). ``allow_expert_ep`` lets a test build the refused layout to show its failure."""
-    apply_bridge_adaptations()
-    from megatron.bridge import AutoBridge
     from megatron.bridge.peft.lora import LoRA
 
-    hf_folder = str(hf_folder)
-    bridge = AutoBridge.from_hf_pretrained(hf_folder, torch_dtype=torch.float32)
-    provider = bridge.to_megatron_provider(load_weights=True)
-    moe = bool(getattr(provider, "num_moe_experts", None))
+    bridge, gpt, moe = build_bridge_gpt(hf_folder, layout)
     if not allow_expert_ep:
         check_expert_export(moe, adapter, layout)
-    overrides = cpu_overrides(layout, moe=moe, dsa=uses_dsa(provider))
-    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
-    with warnings.catch_warnings():
-        # Bridge 0.6.2 deprecates its provider API, yet an HF checkpoint reaches megatron only through a provider
-        # (its own AutoBridge.to_megatron_model calls provide_distributed_model): there is no other path to take.
-        warnings.filterwarnings("ignore", "ModelProviderMixin-based", DeprecationWarning)
-        (gpt,) = provider.provide_distributed_model(
-            wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
-        )
     lora = LoRA(
         target_modules=sorted(megatron_targets(list(adapter.target_modules))),
         dim=adapter.rank,
@@ -254,12 +242,33 @@ def build_bridge_lora_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lora([gpt], training=True)
-    model = BridgeLoRAModel(gpt, hf_folder, layout, bridge, lora)
+    model = BridgeLoRAModel(gpt, str(hf_folder), layout, bridge, lora)
     if routing_replay:
         enable_routing_replay(model)
     if recompute:
         recompute_layers(model)
     return model
+
+
+def build_bridge_gpt(hf_folder: str | Path, layout: Layout) -> tuple[Any, torch.nn.Module, bool]:
+    """Bridge's GPTModel of ``hf_folder`` for this rank, with the HF weights (the AutoBridge, the model, whether
+    it is MoE); megatron's parallel state must match ``layout`` (parallel.initialize)."""
+    apply_bridge_adaptations()
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(str(hf_folder), torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    moe = bool(getattr(provider, "num_moe_experts", None))
+    overrides = cpu_overrides(layout, moe=moe, dsa=uses_dsa(provider))
+    provider.apply_overrides_and_finalize(dtype=torch.float32, overrides=overrides)
+    with warnings.catch_warnings():
+        # Bridge 0.6.2 deprecates its provider API, yet an HF checkpoint reaches megatron only through a provider
+        # (its own AutoBridge.to_megatron_model calls provide_distributed_model): there is no other path to take.
+        warnings.filterwarnings("ignore", "ModelProviderMixin-based", DeprecationWarning)
+        (gpt,) = provider.provide_distributed_model(
+            wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
+        )
+    return bridge, gpt, moe
 
 
 class BridgeTrainer(MegatronTrainer):
@@ -310,3 +319,21 @@ class BridgeTrainer(MegatronTrainer):
     def adapter_config(self) -> dict[str, Any]:
         """Bridge's PEFT config of ``adapter_state`` (what save_hf_adapter writes)."""
         return self.model.adapter_config()
+
+
+class BridgeMultiLoRATrainer(MegatronMultiLoRATrainer):
+    """Megatron multi-LoRA with ``lora_mode=bridge``: Bridge builds the model and loads the HF weights, and the
+    slots are raw LoRA slots on its linears (raw_lora.attach_slot), exported in PEFT names by lora_export.
+    miles' slots are Megatron-Bridge's MultiLoRA, which no release up to the pinned 0.6.2 has; the plan says so
+    (plan.summary) and refuses families the export does not name (bridge-multi-lora-needs-converter)."""
+
+    def _build_model(self, hf_config: dict, settings: MultiLoRASettings) -> torch.nn.Module:
+        _, gpt, _ = build_bridge_gpt(self.model_path, self.layout)
+        for param in gpt.parameters():
+            param.requires_grad_(False)
+        model = MegatronCausalLM(gpt, hf_config, self.layout, routing_replay=False)
+        if settings.routing_replay:
+            enable_routing_replay(model)
+        if settings.recompute:
+            recompute_layers(model)
+        return model

@@ -9,10 +9,10 @@ and grouped GEMMs; it is not in the pinned Megatron-Bridge release, and per-slot
 
 Ranks follow the one-adapter Megatron trainer (megatron/trainer.py): a slot's samples are split over the
 data-parallel ranks, strided, and every rank of the world runs as many forwards (the MoE dispatcher and the TP
-collectives pair them up), so a slot's sample count in one train call must divide by the data-parallel size, as
-miles requires of a multi-LoRA batch. A step completes the slot's gradients as raw_lora does for one adapter
-(TP partial sums, then the data-parallel mean) and turns the mean into the sum over the ranks times
-1/adapter_global_batch_size.
+collectives pair them up), so a slot's sample count in one train call must divide by the data-parallel size: the
+loop hands the trainer whole data-parallel splits of groups (the plan's adapter-batch-shape, as in miles). A step
+completes the slot's gradients as raw_lora does for one adapter (TP partial sums, then the data-parallel mean) and
+turns the mean into the sum over the ranks times 1/adapter_global_batch_size.
 
 A slot's checkpoint holds its adapter in PEFT names (to read), every rank's LoRA shards and optimizer state (a
 resume needs the same layout, as in Megatron) and its step.
@@ -56,9 +56,7 @@ class MegatronMultiLoRATrainer(SlotTrainer):
         parallel.initialize(layout)
         self.layout, self.model_path = layout, str(model_path)
         hf_config = json.loads((Path(model_path) / "config.json").read_text())
-        model = frozen_model(
-            self.model_path, hf_config, layout, routing_replay=settings.routing_replay, recompute=settings.recompute
-        )
+        model = self._build_model(hf_config, settings)
         self.device = device or torch.device("cpu")
         model.to(self.device)
         super().__init__(
@@ -70,6 +68,13 @@ class MegatronMultiLoRATrainer(SlotTrainer):
             dp=DataParallel(
                 parallel.data_parallel_rank(), parallel.data_parallel_size(), parallel.data_parallel_group()
             ),
+        )
+
+    def _build_model(self, hf_config: dict, settings: MultiLoRASettings) -> torch.nn.Module:
+        """The frozen megatron model the slots go on (bridge.BridgeMultiLoRATrainer: Bridge's)."""
+        s = settings
+        return frozen_model(
+            self.model_path, hf_config, self.layout, routing_replay=s.routing_replay, recompute=s.recompute
         )
 
     # ---- slots ----
@@ -103,8 +108,8 @@ class MegatronMultiLoRATrainer(SlotTrainer):
         if len(samples) % self.dp.size:
             raise ValueError(
                 f"{len(samples)} samples of adapter {self.slots[slot].adapter.name} do not split over "
-                f"{self.dp.size} data-parallel ranks: every rank must run as many forwards (make each adapter's "
-                "n_samples_per_prompt a multiple of the data-parallel size)"
+                f"{self.dp.size} data-parallel ranks: every rank must run as many forwards (the loop passes whole "
+                "data-parallel splits of groups)"
             )
         return super()._backward(slot, samples)
 
@@ -112,7 +117,7 @@ class MegatronMultiLoRATrainer(SlotTrainer):
         with raw_lora.slot_active(self.model, slot):
             raw_lora.reduce_lora_grads(self.model)  # the data-parallel mean: times dp.size is the sum
             for param in self.slots[slot].params:
-                param.grad.mul_(scale * self.dp.size)  # type: ignore[union-attr]  # reduce_lora_grads fills them
+                param.grad.mul_(scale * self.dp.size)  # reduce_lora_grads gave every parameter a gradient
             return raw_lora.clip_grad_norm(self.model, self.settings.optimizer.clip_grad)
 
     # ---- export and checkpoints ----
@@ -152,9 +157,12 @@ class MegatronMultiLoRATrainer(SlotTrainer):
         super()._load_slot_state(slot, entry, mine)
 
 
-def build_megatron_multi_lora_trainer(plan: Plan) -> MegatronMultiLoRATrainer:
-    """This rank's Megatron multi-LoRA trainer for the plan."""
-    return MegatronMultiLoRATrainer(
+def build_megatron_multi_lora_trainer(
+    plan: Plan, trainer_class: type[MegatronMultiLoRATrainer] = MegatronMultiLoRATrainer
+) -> MegatronMultiLoRATrainer:
+    """This rank's Megatron multi-LoRA trainer for the plan: raw (MegatronMultiLoRATrainer) or Bridge's model
+    (bridge.BridgeMultiLoRATrainer, which trainer/ranks.py passes)."""
+    return trainer_class(
         plan.model_path,
         MultiLoRASettings.from_plan(plan),
         parallel.Layout.from_plan(plan),

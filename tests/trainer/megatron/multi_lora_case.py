@@ -96,12 +96,17 @@ def single_reference(model_path: str, slot: int, start: dict[str, torch.Tensor])
 
 
 def multi_case(
-    model_path: str, layout: parallel.Layout, starts: dict[int, dict[str, torch.Tensor]], *, odd_batch: bool = False
+    model_path: str,
+    layout: parallel.Layout,
+    starts: dict[int, dict[str, torch.Tensor]],
+    *,
+    odd_batch: bool = False,
+    trainer_class: type[MegatronMultiLoRATrainer] = MegatronMultiLoRATrainer,
 ) -> dict:
     """Both slots trained together; their exports after, the metrics, slot 0's checkpoint, slot 1 after slot 0
     alone stepped, and (`odd_batch`) the error one sample of a slot raises."""
     settings = MultiLoRASettings(AlgorithmConfig(), SGD, micro_batch_size=4, routing_replay=True)
-    trainer = MegatronMultiLoRATrainer(model_path, settings, layout)
+    trainer = trainer_class(model_path, settings, layout)
     config = trainer.model.hf_config
     for slot, adapter in ADAPTERS.items():
         trainer.load_adapter(slot, adapter)
