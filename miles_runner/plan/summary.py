@@ -151,6 +151,9 @@ def algorithm_line(plan: Plan) -> str:
     if a.advantage_estimator == "reinforce_plus_plus":
         parts.append(f"gamma {a.gamma:g}")
     parts.append(f"{plan.optimizer.name} lr {plan.optimizer.lr:g}")
+    if plan.optimizer.cpu_offload:  # Megatron's HybridDeviceOptimizer offloads GPU parameters only
+        on_cpu = " (on a CPU host it is there already: nothing moves)" if plan.cluster.cpu_only else ""
+        parts.append(f"optimizer state and step on the host (Megatron's HybridDeviceOptimizer){on_cpu}")
     parts.append("per-token loss" if t.calculate_per_token_loss else "per-sample loss")
     budget = t.max_tokens_per_micro_batch
     parts.append(f"micro-batches <= {budget} tokens" if budget else f"micro-batches of {t.parallel.micro_batch_size}")

@@ -12,6 +12,7 @@ import torch
 
 from miles_runner.config.schema import AlgorithmConfig, OptimizerConfig
 from miles_runner.trainer.advantages import loss_kl_coef, sequence_ratio
+from miles_runner.trainer.cpu_offload_optimizer import hybrid_device_optimizer, offloads
 from miles_runner.trainer.logprobs import TokenBatch, token_log_probs
 from miles_runner.trainer.loss import PolicyLossConfig, policy_loss
 from miles_runner.trainer.metrics import MetricMeans
@@ -20,6 +21,10 @@ from miles_runner.trainer.routing_replay import ReplayStats, replaying
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, lr: float) -> torch.optim.Optimizer:
+    """The plan's optimizer over `params`; with optimizer.cpu_offload and parameters on a GPU, Megatron's
+    HybridDeviceOptimizer (cpu_offload_optimizer.py; on a CPU host the state is in host memory already)."""
+    if cfg.cpu_offload and offloads(params):
+        return hybrid_device_optimizer(params, cfg, lr)
     if cfg.name == "adam":
         return torch.optim.AdamW(params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     if cfg.name == "sgd":

@@ -44,15 +44,15 @@ def test_plan_flag_writes_plan_config_and_provenance(tmp_path, capsys):
 
 
 def test_a_gpu_recipe_this_release_cannot_run_is_refused_with_what_is_missing(tmp_path, capsys):
-    assert main(["+recipe=glm52_lora_agentic", "--plan", f"run.output_root={tmp_path}"]) == 2
+    canonical = "adapters.lora_type=canonical_lora"
+    assert main(["+recipe=glm52_lora_agentic", canonical, "--plan", f"run.output_root={tmp_path}"]) == 2
     out, err = capsys.readouterr()
     # --plan still shows what its design would run, labelled so: the Megatron-Bridge trainer at TP 8 / EP 32.
     assert out.startswith("DESIGN ONLY, NOT RUNNABLE")
     assert "megatron, 32 ranks, TP 8, EP 32" in out and "Megatron-Bridge PEFT LoRA" in out
-    # Its Megatron trainer runs offloaded beside the engines, but not with the CPU-offloaded optimizer (not built):
-    # the refusal says what to set.
-    assert "megatron-offload-not-built" in err and "is not built in this release" in err
-    assert "fix: optimizer.cpu_offload=false" in err and "offload_train" not in err
+    # canonical_lora is not built: the refusal says what to set.
+    assert "megatron-lora-layout-not-built" in err and "is not built in this release" in err
+    assert "fix: adapters.lora_type=lora" in err and "offload_train" not in err
     assert "multi-node" not in err  # its engines span two nodes each: SGLang runs them (--nnodes)
     assert not list(tmp_path.rglob("plan.yaml")), "nothing is written for a refused experiment"
 

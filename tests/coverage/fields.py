@@ -595,8 +595,14 @@ FIELDS: dict[str, tuple[Evidence, ...]] = {
     ),
     "optimizer.use_distributed_optimizer": (Refused("fsdp-optimizer-is-distributed", "false"),),
     "optimizer.cpu_offload": (
+        Runs(
+            (
+                "tests/trainer/megatron/test_cpu_offload_optimizer.py::test_a_cpu_host_keeps_the_trainers_optimizer_and_the_plan_says_so",
+                "tests/trainer/megatron/test_cpu_offload_optimizer.py::test_megatron_builds_the_hybrid_optimizer_with_miles_settings",
+            )
+        ),
         Refused("optimizer-cpu-offload-needs-megatron", "true"),
-        Refused("megatron-offload-not-built", "true", MEGATRON_CPU),
+        Refused("optimizer-cpu-offload-needs-adam-or-sgd", "true", (*MEGATRON_CPU, "optimizer.name=muon")),
     ),
     # ---- algorithm ----
     "algorithm.advantage_estimator": (

@@ -128,10 +128,10 @@ def test_plan_prints_each_jobs_script_and_submits_nothing(capsys, tmp_path):
 
 
 def test_plan_of_a_recipe_this_release_refuses_prints_its_design_labelled_not_submittable(capsys):
-    assert main(["+recipe=glm52_lora_agentic", SLURM, "--plan"]) == 2
+    assert main(["+recipe=glm52_lora_agentic", "adapters.lora_type=canonical_lora", SLURM, "--plan"]) == 2
     captured = capsys.readouterr()
     assert "# NOT SUBMITTABLE" in captured.out and "#SBATCH --nodes=4" in captured.out
-    assert "megatron-offload-not-built" in captured.err
+    assert "megatron-lora-layout-not-built" in captured.err
 
 
 def test_the_wait_for_nodes_names_each_missing_node_and_where_to_look():

@@ -25,7 +25,6 @@ NOT_BUILT = (
     "megatron-cpu-dsa-tensor-parallel-not-built",
     "megatron-lora-layout-not-built",
     "megatron-parallelism-not-built",
-    "megatron-offload-not-built",
 )
 
 
@@ -197,16 +196,15 @@ def megatron_cpu_dsa_tensor_parallel_not_built(cfg: MilesConfig, d: Derived) -> 
         )
 
 
-@rule("megatron-offload-not-built")
-def megatron_offload_not_built(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
-    if cfg.trainer.backend != "megatron":
-        return
-    if cfg.optimizer.cpu_offload:
+@rule("optimizer-cpu-offload-needs-adam-or-sgd")
+def optimizer_cpu_offload_needs_adam_or_sgd(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
+    """Megatron's HybridDeviceOptimizer steps torch's AdamW or SGD on the host copies (megatron-core's
+    get_megatron_optimizer), nothing else."""
+    if cfg.optimizer.cpu_offload and cfg.optimizer.name not in ("adam", "sgd"):
         yield Finding(
-            ("optimizer.cpu_offload", BACKEND),
-            "Megatron's CPU-offloaded distributed optimizer is not built in this release: the Megatron trainer "
-            "keeps its (LoRA-sized) optimizer state beside the adapter.",
-            "optimizer.cpu_offload=false",
+            ("optimizer.cpu_offload", "optimizer.name"),
+            f"Megatron's CPU-offloaded optimizer runs adam or sgd, not {cfg.optimizer.name}.",
+            "optimizer.name=adam",
         )
 
 
