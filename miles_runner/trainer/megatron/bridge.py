@@ -226,9 +226,9 @@ def build_bridge_lora_model(
     parallel.initialize) with Bridge's LoRA on ``adapter``'s targets; the adapter init draws from ``seed`` (the
     same full tensors at any TP). ``routing_replay`` and ``recompute`` as in model.build_model (the same hooks on
     Bridge's GPTModel). ``allow_expert_ep`` lets a test build the refused layout to show its failure."""
+    bridge, gpt, moe = build_bridge_gpt(hf_folder, layout)  # first: it makes Bridge importable on CPU
     from megatron.bridge.peft.lora import LoRA
 
-    bridge, gpt, moe = build_bridge_gpt(hf_folder, layout)
     if not allow_expert_ep:
         check_expert_export(moe, adapter, layout)
     lora = LoRA(
