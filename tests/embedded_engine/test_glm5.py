@@ -108,6 +108,22 @@ async def test_a_ragged_batch_gives_every_prompt_its_own_greedy_tokens(glm5, hf_
     assert [item["output_ids"] for item in batch] == [hf_greedy(hf_model, prompt) for prompt in PROMPTS]
 
 
+async def test_a_ragged_batch_gives_every_prompt_its_own_logprobs_and_routes(glm5):
+    """What the trainer replays (R3) and compares (the rollout's logprobs) must not depend on the batch."""
+    await glm5.post("/flush_cache")
+    asked = {"return_logprob": True, "return_routed_experts": True, "logprob_start_len": 0}
+    batch = await generate(glm5, PROMPTS, **asked)
+    for prompt, item in zip(PROMPTS, batch, strict=True):
+        await glm5.post("/flush_cache")
+        alone = await generate(glm5, prompt, **asked)
+        assert output_logprobs(item) == pytest.approx(output_logprobs(alone), abs=1e-5)
+        assert prompt_logprobs(item) == pytest.approx(prompt_logprobs(alone), abs=1e-5)
+        rows = len(prompt) + NEW_TOKENS - 1
+        routes = [decode_routed_experts(x["meta_info"]["routed_experts"], rows, LAYERS) for x in (item, alone)]
+        assert routes[0].shape == (rows, LAYERS, TOPK)
+        assert np.array_equal(np.sort(routes[0], axis=-1), np.sort(routes[1], axis=-1))
+
+
 async def test_a_prefix_cache_hit_answers_as_a_cold_prefill(glm5):
     await glm5.post("/flush_cache")
     first = await generate(glm5, LONG)

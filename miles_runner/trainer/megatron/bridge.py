@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 
 from miles_runner.core.adapters import AdapterSpec
-from miles_runner.trainer.megatron.bridge_compat import apply_bridge_adaptations, dsa_local_block_spec, uses_dsa
+from miles_runner.trainer.megatron.bridge_compat import (
+    apply_bridge_adaptations,
+    dsa_local_block_spec,
+    honour_attention_masks,
+    uses_dsa,
+)
 from miles_runner.trainer.megatron.model import MegatronCausalLM, enable_routing_replay, recompute_layers
 from miles_runner.trainer.megatron.multi_lora import MegatronMultiLoRATrainer
 from miles_runner.trainer.megatron.parallel import Layout
@@ -268,6 +273,7 @@ def build_bridge_gpt(hf_folder: str | Path, layout: Layout) -> tuple[Any, torch.
         (gpt,) = provider.provide_distributed_model(
             wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None
         )
+    honour_attention_masks(gpt)  # packed rows: each sample reads its own tokens only
     return bridge, gpt, moe
 
 

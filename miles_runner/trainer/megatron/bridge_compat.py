@@ -20,6 +20,7 @@ versions whose stand-ins were not tested are refused. Nothing is changed when CU
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -217,3 +218,27 @@ def dsa_local_block_spec(config: Any) -> Any:
     for layer in block.layer_specs:
         layer.submodules.self_attention = attention
     return block
+
+
+def honour_attention_masks(model: torch.nn.Module) -> int:
+    """Make every DSA attention of `model` apply the attention mask it is given; returns how many it changed.
+
+    megatron-core's DSAttention masks plain-causally whenever its layer spec says ``causal`` (what GLM-5's does),
+    and then ignores the mask: right only for one sample per row. The trainer packs several samples into a row
+    (qkv_format thd, megatron/packing.py) and gives the block mask that keeps each sample to its own earlier tokens;
+    without this the second sample of a row would read the first (measured on tiny-glm5: logits off by 3.8). With
+    no mask type, DSAttention builds its masks, the indexer's included, from the given mask."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, DSAttention):
+            module.forward = functools.partial(_with_given_mask, module.forward)
+            changed += 1
+    return changed
+
+
+def _with_given_mask(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("attention_mask") is not None:
+        kwargs["attn_mask_type"] = None
+    return forward(*args, **kwargs)
