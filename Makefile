@@ -98,7 +98,7 @@ test: check sglang-spec bridge-env tiny-models bytecode
 # timeout, and workers would otherwise build them side by side. Cached: a no-op once built.
 tiny-models: $(STAMP)
 	$(BIN)/python -c "from miles_runner.models.format_pretrain import ensure_format_pretrained as f; \
-		from miles_runner.models.tiny_model import ensure_tiny_model as t; t('tiny-dense'); t('tiny-glm5'); f('tiny-moe')"
+		from miles_runner.models.tiny_model import ensure_tiny_model as t; t('tiny-dense'); f('tiny-glm5'); f('tiny-moe')"
 
 # Bytecode of the project's own modules, which every test process, run, engine and server imports: written once here
 # (only what changed since) because nothing else writes it where PYTHONDONTWRITEBYTECODE is set, as on CI machines.

@@ -1,5 +1,6 @@
 """The CPU twins of the GPU recipes, run whole through `miles-run`: what offload releases and restores per step,
-what it costs a step, and the logprob gap of every push after the engines resume.
+what it costs a step, and the logprob gap of every push after the engines resume; for the multi-LoRA twin (no
+offload: disaggregated), its iteration time, every slot push's probe gap and each adapter's reward gain.
 
 Each twin runs `--steps` steps as its recipe says (offload both ways), then again with both offloads off, twice in
 turns (a slow spell of a shared machine hits both alike). From the runs' offload events
@@ -36,7 +37,9 @@ from bench.report import write_result
 from miles_runner.core.paths import source_checkout
 
 MB = 2**20
-TWINS = ("tiny_qwen3_30b_a3b_r3_session",)
+TWINS = ("tiny_qwen3_30b_a3b_r3_session", "tiny_glm52_lora_agentic")
+MULTI_LORA_TWIN = "tiny_multi_lora_math"
+MULTI_LORA_ADAPTERS = ("count", "retry", "letters")
 NO_OFFLOAD = ("topology.offload_train=false", "topology.offload_rollout=false")
 ROUNDS = 2
 
@@ -78,6 +81,26 @@ def offload_figures(run_dir: Path) -> dict[str, float]:
     }
 
 
+def multi_lora_figures(run_dir: Path) -> dict[str, float]:
+    """Iteration seconds (train + push, medians), every push's probe gap, and each adapter's reward gain (its last
+    quarter's mean minus its first quarter's)."""
+    records = jsonl(run_dir / "metrics.jsonl")[1:]
+    pushed = [e for e in jsonl(run_dir / "multi_lora_events.jsonl") if e["event"] == "pushed"]
+    gaps = [gap for event in pushed for gap in event.get("probe_gaps", {}).values()]
+    figures = {
+        "train_s": statistics.median(r["train/seconds"] for r in records if "train/seconds" in r),
+        "sync_s": statistics.median(r["sync/seconds"] for r in records if "sync/seconds" in r),
+        "pushes": float(len(gaps)),
+        "gap_median": statistics.median(gaps),
+        "gap_max": max(gaps),
+    }
+    for name in MULTI_LORA_ADAPTERS:
+        rewards = [r[f"{name}/reward/mean"] for r in records if f"{name}/reward/mean" in r]
+        quarter = max(1, len(rewards) // 4)
+        figures[f"{name}_gain"] = statistics.mean(rewards[-quarter:]) - statistics.mean(rewards[:quarter])
+    return figures
+
+
 def resident_step_s(run_dir: Path) -> float:
     return statistics.median(r["step/seconds"] for r in jsonl(run_dir / "metrics.jsonl")[1:])
 
@@ -113,6 +136,20 @@ def main() -> None:
             f"{f['gap_median']:.1e}, {f['gap_max']:.1e} |"
             for name, f in figures.items()
         ),
+    ]
+    multi = multi_lora_figures(run_twin(MULTI_LORA_TWIN, 40))
+    figures[MULTI_LORA_TWIN] = multi
+    lines += [
+        "",
+        f"{MULTI_LORA_TWIN} (three adapters in Megatron multi-LoRA slots on Bridge's model, disaggregated, no "
+        "offload), one run of its 40 steps: medians per iteration, every slot push's probe gap, each adapter's "
+        "reward gain (last quarter's mean minus the first's).",
+        "",
+        "| train s | sync s | pushes | probe gap (median, max) | gain count | gain retry | gain letters |",
+        "|---|---|---|---|---|---|---|",
+        f"| {multi['train_s']:.2f} | {multi['sync_s']:.2f} | {multi['pushes']:.0f} | {multi['gap_median']:.1e}, "
+        f"{multi['gap_max']:.1e} | {multi['count_gain']:+.3f} | {multi['retry_gain']:+.3f} | "
+        f"{multi['letters_gain']:+.3f} |",
     ]
     write_result("twins", figures, lines)
     print("\n".join(lines))

@@ -2,7 +2,11 @@
 # GPU check of the Megatron trainer: the tiny recipe (tiny_lora_agentic: tiny-moe, attention LoRA, GRPO on
 # count_retry) with trainer=megatron against real SGLang on one GPU, first lora_mode=raw, then lora_mode=bridge;
 # then the CPU twin of qwen3_30b_a3b_r3_session (`twin`: Bridge LoRA, router, session v1, in_place, R3, offload
-# both ways) on that GPU with real SGLang. Prints each run's reward per step and the trainer/engine logprob
+# both ways) and of glm52_lora_agentic (`glm`: GLM-5's MLA + DSA shape, Bridge LoRA on its MLA linears, session v1
+# with GLM-4.7's TITO, retract, R3, offload to disk, the CPU-offloaded optimizer) on that GPU with real SGLang, and
+# (`optimizer`) the test that reads Megatron's HybridDeviceOptimizer settings back. The multi_lora_math twin needs
+# the sglang-miles fork (broadcast adapter sync), which is not on PyPI: it is not run here. Prints each run's
+# reward per step and the trainer/engine logprob
 # mismatch figures from its metrics.jsonl (and for the twin what offload costs and frees):
 #   train/logprob_abs_diff  mean |trainer - rollout| logprob over the trained tokens of the step
 #   verify/logprob_gap      the push probe's |trainer - engine| gap right after each adapter push (the run fails
@@ -12,12 +16,12 @@
 #   GPU MB used             (twin) nvidia-smi's used memory sampled every 0.2 s through the run: the lowest (engine
 #                           released, trainer offloaded) and the highest, i.e. what offload gives back and takes
 #
-#   scripts/gpu_check_megatron.sh [--plan-only] [--skip-install] [--only raw|bridge|twin] [--summarize DIR]
+#   scripts/gpu_check_megatron.sh [--plan-only] [--skip-install] [--only MODE] [--summarize DIR]
 #
 #   --plan-only      compile the plans it would run (`miles-run ... --plan`) and stop; needs no GPU (MILES_RUN
 #                    names the miles-run to use, default .venv/bin/miles-run)
 #   --skip-install   use the GPU venv as it is
-#   --only MODE      run one lora_mode
+#   --only MODE      run one of raw, bridge, twin, glm, optimizer
 #   --summarize DIR  only print and check the figures of the run under DIR ($STEPS records; $PYTHON, or python3)
 # Environment: GPU_VENV (.venv-gpu), GPU_PY (python3.12: Megatron-Bridge needs 3.12), STEPS (3),
 # RUN_TIMEOUT_S (240 per run), MAX_LOGPROB_GAP (the plan's default), WORK_DIR (a fresh /tmp folder).
@@ -37,13 +41,13 @@ cd "$REPO_ROOT"
 PLAN_ONLY=0
 SKIP_INSTALL=0
 SUMMARIZE=""
-MODES=(raw bridge twin)
+MODES=(raw bridge twin glm optimizer)
 while (($#)); do
     case "$1" in
         --plan-only) PLAN_ONLY=1 ;;
         --skip-install) SKIP_INSTALL=1 ;;
         --only)
-            [[ "${2:-}" =~ ^(raw|bridge|twin)$ ]] || { echo "--only takes raw, bridge or twin" >&2; exit 2; }
+            [[ "${2:-}" =~ ^(raw|bridge|twin|glm|optimizer)$ ]] || { echo "--only takes raw, bridge, twin, glm or optimizer" >&2; exit 2; }
             MODES=("$2")
             shift
             ;;
@@ -71,8 +75,10 @@ export HF_HUB_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 WANDB_MODE=offline T
 # with its one trainer rank and one engine on the one GPU, in this environment's Python (trainer.python empty).
 run_overrides() {
     local mode="$1" overrides
-    if [[ "$mode" == twin ]]; then
-        overrides=(+recipe=tiny_qwen3_30b_a3b_r3_session engine=sglang cluster=gpu_1x "trainer.python=''"
+    if [[ "$mode" == twin || "$mode" == glm ]]; then
+        local recipe=tiny_qwen3_30b_a3b_r3_session
+        [[ "$mode" == glm ]] && recipe=tiny_glm52_lora_agentic
+        overrides=("+recipe=$recipe" engine=sglang cluster=gpu_1x "trainer.python=''"
             topology.actor_num_gpus_per_node=1 trainer.parallel.ep=1)
     else
         overrides=(+recipe=tiny_lora_agentic trainer=megatron "lora_mode=$mode" engine=sglang cluster=gpu_1x
@@ -91,6 +97,7 @@ run_overrides() {
 plan_all() {
     local miles_run="$1" mode failed=0
     for mode in "${MODES[@]}"; do
+        [[ "$mode" == optimizer ]] && continue  # a test, no plan
         mapfile -t overrides < <(run_overrides "$mode")
         echo "== plan $mode"
         if ! "$miles_run" "${overrides[@]}" --plan; then
@@ -118,7 +125,7 @@ print("\n".join(d for d in deps if not d.startswith("torch")))' >"$requirements"
     "$py" -m pip install -q --no-deps -e .
     # Transformer Engine builds its torch extension against the installed torch (no build isolation).
     "$py" -m pip install -q --no-build-isolation -c "$constraints" 'transformer-engine[pytorch]'
-    "$py" -m pip install -q -c "$constraints" einops six
+    "$py" -m pip install -q -c "$constraints" einops six pytest pytest-asyncio
     "$py" -m pip install -q --no-deps "megatron-bridge==$(pin megatron-bridge)"
 }
 
@@ -163,7 +170,14 @@ sys.exit("; ".join(problems) or None)
 EOF
 }
 
+run_optimizer_test() {  # Megatron's HybridDeviceOptimizer built with miles' settings, read back, one step
+    echo "== run optimizer (tests/trainer/megatron/test_cpu_offload_optimizer.py)"
+    "$GPU_VENV/bin/python" -m pytest -q -rs tests/trainer/megatron/test_cpu_offload_optimizer.py \
+        -p no:cacheprovider || { echo "FAIL: optimizer" >&2; return 1; }
+}
+
 run_mode() {
+    [[ "$1" == optimizer ]] && { run_optimizer_test; return; }
     local mode="$1" log="$WORK_DIR/$1.log" started=$SECONDS
     mapfile -t overrides < <(run_overrides "$mode")
     echo "== run $mode ($STEPS steps, at most ${RUN_TIMEOUT_S}s; log $log)"
@@ -199,7 +213,8 @@ fi
 reason="$(gpu_ready)"
 [[ -z "$reason" ]] || { echo "SKIP: $reason" >&2; exit 2; }
 # The tiny model and its format pre-training are built once, outside the runs' time limits.
-"$GPU_VENV/bin/python" -c 'from miles_runner.models.format_pretrain import ensure_format_pretrained as e; e("tiny-moe")'
+"$GPU_VENV/bin/python" -c 'from miles_runner.models.format_pretrain import ensure_format_pretrained as e
+e("tiny-moe"); e("tiny-glm5")'
 plan_all "$GPU_VENV/bin/miles-run"
 failed=0
 for mode in "${MODES[@]}"; do

@@ -78,6 +78,7 @@ def build_tiny_models(config: pytest.Config) -> None:
     ensure_tiny_model("tiny-dense")
     ensure_tiny_model("tiny-glm5")
     ensure_format_pretrained("tiny-moe")
+    ensure_format_pretrained("tiny-glm5")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

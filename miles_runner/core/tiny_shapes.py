@@ -1,12 +1,13 @@
-"""The shapes of the embedded tiny models, as Hugging Face config keys: one table that the model factory builds
-from (models/tiny_model.py) and the plan checks a `model.*` description against before the model exists."""
+"""The shapes of the embedded tiny models, as Hugging Face config keys, and the tokens their tokenizers add: tables
+that the model factory builds from (models/tiny_model.py) and the plan checks a `model.*` description (and a session's
+TITO family) against before the model exists."""
 
 from __future__ import annotations
 
 from typing import Any
 
 _COMMON: dict[str, Any] = {
-    "vocab_size": 400,  # the embedded byte-level BPE's size (models/tiny_model.TOKENIZER_VOCAB_SIZE)
+    "vocab_size": 400,  # the embedded byte-level BPE's size, its added tokens included
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -60,4 +61,39 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
         # logits differ by 6e-5).
         "rms_norm_eps": 1e-6,
     },
+}
+
+# The tokens each tiny tokenizer adds to its byte-level BPE. The Qwen3 shapes speak ChatML; tiny-glm5 speaks GLM-4.7's
+# chat format, as GLM-5 does (what the TITO family glm47 renders with): its role tokens end a turn, and its
+# reasoning and tool-call markers are single tokens that decode as text (as in GLM's own tokenizer, where they are not
+# special).
+CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+GLM47_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
+GLM47_TEXT_TOKENS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
+TINY_TOKENS: dict[str, tuple[str, ...]] = {
+    "tiny-moe": CHATML_TOKENS,
+    "tiny-dense": CHATML_TOKENS,
+    "tiny-glm5": GLM47_SPECIAL_TOKENS + GLM47_TEXT_TOKENS,
 }

@@ -7,6 +7,11 @@ task's answer range, with the environment's real feedback on multi-turn tasks) a
 all weights, on the assistant turns. The result answers every prompt with a plausible number at about
 chance accuracy; reward then comes only from choosing the right number, which is what the LoRA learns.
 
+A transcript is written in the chat format of the model's tokenizer, as the rollouts will see it: ChatML for tiny-moe
+and tiny-dense; GLM-4.7's for tiny-glm5, token for token as the session server's TITO family glm47 assembles a
+multi-turn episode (session/tito.py), each reply closing the thinking its generation prompt opened and ending with the
+token that opens the next message.
+
 Deterministic from ``seed``. ``ensure_format_pretrained`` caches the result next to the plain tiny model
 (``<cache>/tiny-moe-seed0-format``); ``ensure_tiny_model`` can equally call ``pretrain_format(folder)``
 after building the weights (it rewrites ``model.safetensors`` in place).
@@ -20,13 +25,15 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from miles_runner.models.tiny_model import ensure_tiny_model
+from miles_runner.models.tiny_model import BUILDER_VERSION, builder_version, ensure_tiny_model, save_portable
 from miles_runner.plugins.tasks import TASKS, Message, Task, toy_task_names
 
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
+GLM_ASSISTANT = "<|assistant|>"  # a tokenizer with it speaks GLM-4.7's chat format
 MARKER = "format_pretrain.json"
 # Bump when the pre-training recipe changes, so cached folders are rebuilt.
 PRETRAIN_VERSION = 1
@@ -48,7 +55,9 @@ def random_transcript(task: Task, index: int, rng: random.Random) -> list[Messag
 
 
 def transcript_tokens(tokenizer, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-    """Token ids of the ChatML transcript and a mask that is 1 on assistant content and its end token."""
+    """Token ids of the transcript and a mask that is 1 on what the model writes: the replies and their end tokens."""
+    if GLM_ASSISTANT in tokenizer.get_vocab():
+        return glm47_transcript_tokens(tokenizer, messages)
     header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
     ids: list[int] = []
     mask: list[int] = []
@@ -61,6 +70,33 @@ def transcript_tokens(tokenizer, messages: Sequence[Message]) -> tuple[list[int]
             mask += [0] * len(header) + [1] * (len(tokens) - len(header) - 1) + [0]
         else:
             mask += [0] * len(tokens)
+    return ids, mask
+
+
+def glm47_transcript_tokens(tokenizer, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+    """The episode as the session server's ids for it: the first prompt rendered by the chat template, then each reply
+    as the model writes it after ``<|assistant|><think>`` (``</think>``, the answer, and the token that opens the next
+    message, which ends its turn), then the next messages as glm47's merge appends them."""
+    from miles_runner.session.tito import Glm47Tito
+
+    tito = Glm47Tito(tokenizer)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = tito.first_turn_ids(list(messages[:first]), None, {})
+    mask = [0] * len(ids)
+    i = first
+    while i < len(messages):
+        later = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        appended = list(messages[i + 1 : later])
+        stop = "<|observation|>" if appended and appended[0]["role"] == "tool" else "<|user|>"
+        reply = tito.encode(f"</think>{messages[i]['content']}{stop}")
+        ids, mask = ids + reply, mask + [1] * len(reply)
+        if appended:
+            # glm47 drops the stop token and opens the next message with that same token, so the ids only grow.
+            merged = tito.merge_tokens(list(messages[: i + 1]), ids, appended, None, {})
+            if merged[: len(ids)] != ids:
+                raise ValueError(f"the glm47 merge rewrote a stored turn of {messages[: i + 1]}")
+            ids, mask = merged, mask + [0] * (len(merged) - len(ids))
+        i = later
     return ids, mask
 
 
@@ -107,7 +143,7 @@ def pretrain_format(
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    model.save_pretrained(folder)
+    save_portable(model, folder)
     return losses
 
 
@@ -115,7 +151,7 @@ def ensure_format_pretrained(name: str = "tiny-moe", seed: int = 0, cache_dir: s
     """The tiny model after format pre-training on every registered task, cached and built atomically."""
     base = ensure_tiny_model(name, cache_dir, seed)
     target = base.parent / f"{base.name}-format"
-    recipe = {"version": PRETRAIN_VERSION, "seed": seed, "steps": DEFAULT_STEPS, "tasks": toy_task_names()}
+    recipe = format_recipe(name, seed)
     if _is_built(target, recipe):
         return target
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base.parent))
@@ -134,6 +170,21 @@ def ensure_format_pretrained(name: str = "tiny-moe", seed: int = 0, cache_dir: s
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def format_recipe(name: str, seed: int) -> dict[str, Any]:
+    """What a pre-trained folder records (format_pretrain.json): a folder recording another recipe is rebuilt."""
+    recipe: dict[str, Any] = {
+        "version": PRETRAIN_VERSION,
+        "seed": seed,
+        "steps": DEFAULT_STEPS,
+        "tasks": toy_task_names(),
+    }
+    if builder_version(name) != BUILDER_VERSION:
+        # A base model with a version of its own: a rebuilt base makes its pre-trained folder stale too. Recorded only
+        # there, so that the folders pre-trained before the models had versions of their own stay valid.
+        recipe["base_version"] = builder_version(name)
+    return recipe
 
 
 def _is_built(folder: Path, recipe: dict) -> bool:

@@ -10,9 +10,12 @@ model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja):
   every token of its context, a dense first layer, then 4 routed experts (top-2) and a shared expert.
 
 The tokenizer is a byte-level BPE trained here on a small embedded corpus (digits, arithmetic, chat words,
-answer formats), about 400 tokens, with ChatML special tokens and a chat template that honours
-``add_generation_prompt``. Weights use ``initializer_range`` 0.1 (larger than usual) so that a LoRA adapter
-can steer the model within a few RL steps.
+answer formats), 400 tokens with its added ones. tiny-moe and tiny-dense speak ChatML (a chat template that honours
+``add_generation_prompt``; eos ``<|im_end|>``). tiny-glm5 speaks GLM-4.7's chat format, as GLM-5 does: ``[gMASK]<sop>``,
+the role tokens ``<|system|>``, ``<|user|>``, ``<|assistant|>``, ``<|observation|>`` (tool results), ``<think>``
+reasoning that ``clear_thinking=False`` keeps in past turns, a generation prompt ending ``<|assistant|><think>``, and
+``<|endoftext|>``, ``<|user|>`` and ``<|observation|>`` as its stop tokens. Weights use ``initializer_range`` 0.1
+(larger than usual) so that a LoRA adapter can steer the model within a few RL steps.
 
 Public API (other components rely on it):
 - ``build_tiny_model(out_dir, *, dense=False, seed=0, init_std=0.1, name=None) -> Path`` writes one folder
@@ -30,21 +33,23 @@ import argparse
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_runner.core.paths import model_cache_dir
-from miles_runner.core.tiny_shapes import TINY_SHAPES
+from miles_runner.core.tiny_shapes import CHATML_TOKENS, GLM47_SPECIAL_TOKENS, GLM47_TEXT_TOKENS, TINY_SHAPES
 
 TINY_MODEL_NAMES = ("tiny-moe", "tiny-dense", "tiny-glm5")
-# Bump when the builder's output changes, so cached folders are rebuilt.
+# Bump when the builder's output changes, so cached folders are rebuilt; a change to one model bumps its entry in
+# MODEL_VERSIONS instead, so that the others' folders stay valid.
 BUILDER_VERSION = 1
+MODEL_VERSIONS = {"tiny-glm5": 3}  # 2: GLM-4.7's tokenizer and chat template; 3: its format model reads in 5.12
 COMPLETE_MARKER = "tiny_model.json"
 # The models whose marker predates its "name" key (``dense`` tells them apart): their markers stay as they were, so
 # their cached folders stay complete.
 UNNAMED_MARKERS = ("tiny-moe", "tiny-dense")
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = TINY_SHAPES["tiny-moe"]["vocab_size"]
 
 CHAT_TEMPLATE = (
@@ -53,6 +58,118 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# GLM-4.7's chat template (zai-org/GLM-4.7 chat_template.jinja; the TITO family glm47 renders with it), cut down to
+# what the runner's messages carry (string contents; OpenAI tool calls with object arguments, as session/messages.py
+# template_view gives them) and rendering as it does: no newline after a role token; an assistant turn opens with its
+# reasoning in <think>...</think> when clear_thinking=False or it follows the last user message, else with a bare
+# </think>; consecutive tool results share one <|observation|>; the generation prompt opens thinking with <think>
+# (</think> when enable_thinking=False).
+GLM47_CHAT_TEMPLATE = (
+    r"""[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>"""
+    r"""<arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>
+{%- endif -%}
+{%- set ns = namespace(last_user_index=-1) -%}
+{%- for m in messages -%}
+    {%- if m.role == 'user' -%}{%- set ns.last_user_index = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+    {%- set content = m.content if m.content is string else '' -%}
+    {%- if m.role == 'system' -%}
+        {{- '<|system|>' + content -}}
+    {%- elif m.role == 'user' -%}
+        {{- '<|user|>' + content -}}
+    {%- elif m.role == 'assistant' -%}
+        {%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}
+        {%- if m.reasoning_content is not string and '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].rstrip('
+').split('<think>')[-1].lstrip('
+') -%}
+            {%- set content = content.split('</think>')[-1].lstrip('
+') -%}
+        {%- endif -%}
+        {{- '<|assistant|>' -}}
+        {%- set keep = (clear_thinking is defined and not clear_thinking) or loop.index0 > ns.last_user_index -%}
+        {%- if keep and reasoning -%}
+            {{- '<think>' + reasoning.strip() + '</think>' -}}
+        {%- else -%}
+            {{- '</think>' -}}
+        {%- endif -%}
+        {{- content.strip() -}}
+        {%- for tc in m.tool_calls or [] -%}
+            {%- set call = tc.function if tc.function else tc -%}
+            {{- '<tool_call>' + call.name -}}
+            {%- for k, v in call.arguments.items() -%}
+                {{- '<arg_key>' + k + '</arg_key><arg_value>' -}}
+                {{- v if v is string else v | tojson(ensure_ascii=False) -}}
+                {{- '</arg_value>' -}}
+            {%- endfor -%}
+            {{- '</tool_call>' -}}
+        {%- endfor -%}
+    {%- elif m.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}
+        {{- '<tool_response>' + content + '</tool_response>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>' + ('</think>' if enable_thinking is defined and not enable_thinking else '<think>') -}}
+{%- endif -%}"""
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A tiny tokenizer's added tokens and chat template, and the tokens that end a turn."""
+
+    special_tokens: tuple[str, ...]  # trained into the BPE first, so they take the lowest ids
+    eos_token: str
+    pad_token: str
+    additional_special_tokens: tuple[str, ...]
+    stop_tokens: tuple[str, ...]  # generation_config.json's eos_token_id, in this order
+    template: str
+    text_tokens: tuple[str, ...] = ()  # single tokens that decode as text (skip_special_tokens keeps them)
+
+
+CHATML = ChatFormat(
+    special_tokens=CHATML_TOKENS,
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    additional_special_tokens=("<|im_start|>",),
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    template=CHAT_TEMPLATE,
+)
+# As GLM-4.7's tokenizer_config.json and generation_config.json have them: the end-of-text token ends and pads, and a
+# turn also ends where the model opens the next message (a user's, or a tool result's).
+GLM47 = ChatFormat(
+    special_tokens=GLM47_SPECIAL_TOKENS,
+    eos_token="<|endoftext|>",
+    pad_token="<|endoftext|>",
+    additional_special_tokens=GLM47_SPECIAL_TOKENS,
+    stop_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
+    template=GLM47_CHAT_TEMPLATE,
+    text_tokens=GLM47_TEXT_TOKENS,
+)
+CHAT_FORMATS = {"tiny-moe": CHATML, "tiny-dense": CHATML, "tiny-glm5": GLM47}
+
+
+def builder_version(name: str) -> int:
+    return MODEL_VERSIONS.get(name, BUILDER_VERSION)
+
 
 _CHAT_LINES = """\
 You are a helpful assistant.
@@ -92,30 +209,37 @@ def training_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: Path) -> int:
+def build_tokenizer(out_dir: Path, chat: ChatFormat = CHATML) -> int:
     """Train the byte-level BPE tokenizer, save it with the chat template; return the vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=TOKENIZER_VOCAB_SIZE - len(chat.text_tokens),  # the text tokens are added after training
+        special_tokens=list(chat.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in chat.text_tokens])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        eos_token=chat.eos_token,
+        pad_token=chat.pad_token,
+        additional_special_tokens=list(chat.additional_special_tokens),
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.chat_template = chat.template
     wrapped.save_pretrained(out_dir)
     return len(wrapped)
+
+
+def added_token_ids(model_dir: Path) -> dict[str, int]:
+    """The ids of a saved tokenizer's added tokens (special or not)."""
+    added = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+    return {token["content"]: token["id"] for token in added}
 
 
 def _model_name(name: str | None, dense: bool) -> str:
@@ -140,6 +264,7 @@ def _glm5_config(shape: dict[str, Any], extra: dict[str, Any]) -> Any:
 
 
 def _model_config(vocab_size: int, token_ids: dict[str, int], *, name: str, init_std: float) -> Any:
+    chat = CHAT_FORMATS[name]
     shape = dict(TINY_SHAPES[name])
     if vocab_size != shape["vocab_size"]:
         raise RuntimeError(f"the embedded tokenizer has {vocab_size} tokens; TINY_SHAPES says {shape['vocab_size']}")
@@ -149,11 +274,12 @@ def _model_config(vocab_size: int, token_ids: dict[str, int], *, name: str, init
         tie_word_embeddings=False,
         sliding_window=None,
         bos_token_id=None,
-        eos_token_id=token_ids["<|im_end|>"],
-        pad_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids[chat.eos_token],
+        pad_token_id=token_ids[chat.pad_token],
     )
     if model_type == "glm_moe_dsa":
         del extra["sliding_window"]  # full attention; GLM-5's config has no such key
+        extra["eos_token_id"] = [token_ids[token] for token in chat.stop_tokens]  # GLM-5's config lists them all
         return _glm5_config(shape, extra)
     if model_type == "qwen3":
         from transformers import Qwen3Config
@@ -173,23 +299,25 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = build_tokenizer(out)
-    token_ids = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     model_name = _model_name(name, dense)
+    chat = CHAT_FORMATS[model_name]
+    vocab_size = build_tokenizer(out, chat)
+    token_ids = added_token_ids(out)
     config = _model_config(vocab_size, token_ids, name=model_name, init_std=init_std)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
-        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
-        pad_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=[token_ids[token] for token in chat.stop_tokens],
+        pad_token_id=token_ids[chat.pad_token],
     )
-    if model_name == "tiny-glm5":
-        # Left for each transformers version to derive: 5.12 (Megatron-Bridge's) refuses the newer name of GLM-5's
-        # layer type ("indexed_attention"), and the newer versions refuse to write 5.12's.
-        model.config.layer_types = None
-    model.save_pretrained(out)
+    save_portable(model, out)
     dense = model_name == "tiny-dense"
-    marker: dict[str, Any] = {"builder_version": BUILDER_VERSION, "dense": dense, "seed": seed, "init_std": init_std}
+    marker: dict[str, Any] = {
+        "builder_version": builder_version(model_name),
+        "dense": dense,
+        "seed": seed,
+        "init_std": init_std,
+    }
     if model_name not in UNNAMED_MARKERS:
         marker["name"] = model_name
     (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -202,7 +330,7 @@ def _is_complete(folder: Path, *, name: str, seed: int) -> bool:
         return False
     recorded = json.loads(marker.read_text())
     return (
-        recorded.get("builder_version") == BUILDER_VERSION
+        recorded.get("builder_version") == builder_version(name)
         and recorded.get("name", _model_name(None, bool(recorded.get("dense")))) == name
         and (recorded.get("seed") == seed)
     )
@@ -248,3 +376,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def save_portable(model: Any, out: Path) -> None:
+    """Save a tiny model so that every transformers version here reads it: GLM-5's ``layer_types`` is left for
+    each version to derive (5.12, Megatron-Bridge's, refuses the newer name "indexed_attention", and the newer
+    versions refuse to write 5.12's)."""
+    if getattr(model.config, "model_type", "") == "glm_moe_dsa":
+        model.config.layer_types = None
+    model.save_pretrained(out)

@@ -2,8 +2,10 @@
 the Megatron trainer on Megatron-Bridge's model (hosted by the Python 3.12 environment `make test` builds), behind
 the real sglang-router, under the Ray executor (tests/plan/test_twins.py holds each plan to its GPU recipe's). The
 qwen3 twin: Bridge LoRA, colocated engines, the session server, in_place pauses, incremental R3 replayed by the
-trainer, offload both ways. The multi_lora_math twin: three adapters in Megatron multi-LoRA slots, disaggregated
-engines, in_place pauses with staleness 3, TIS.
+trainer, offload both ways. The glm52 twin: the same path on GLM-5's shape (MLA + DSA + MoE, LoRA on the MLA
+linears) with GLM-4.7's TITO, retract pauses, the trainer's state offloaded to disk and the CPU-offloaded optimizer.
+The multi_lora_math twin: three adapters in Megatron multi-LoRA slots, disaggregated engines, in_place pauses with
+staleness 3, TIS.
 
 The control is test_learning.py's: the same run with the rollouts kept on the initial adapter (and push
 verification off, which would otherwise stop it at the first push) must not gain.
@@ -25,6 +27,7 @@ RUN_TIMEOUT_S = 1500  # 35 Megatron-Bridge steps through the session server, on 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)]
 
 QWEN3_TWIN = "tiny_qwen3_30b_a3b_r3_session"
+GLM_TWIN = "tiny_glm52_lora_agentic"
 MULTI_LORA_TWIN = "tiny_multi_lora_math"
 MULTI_LORA_TIMEOUT_S = 900  # 40 steps of three tiny adapters: about 2 minutes on a quiet 2-core machine
 # The spec's colocated step (train.py): the trainer leaves before the engines take their weights back.
@@ -45,12 +48,11 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_the_qwen3_twin_runs_the_gpu_path_and_learns_only_with_its_adapter(tmp_path):
-    learned = run_default_recipe(
-        tmp_path / "adapter", LEARNING_RUN, fault=False, recipe=QWEN3_TWIN, timeout_s=RUN_TIMEOUT_S
-    )
+@pytest.mark.parametrize("twin", [QWEN3_TWIN, GLM_TWIN])
+def test_a_colocated_twin_runs_the_gpu_path_and_learns_only_with_its_adapter(tmp_path, twin):
+    learned = run_default_recipe(tmp_path / "adapter", LEARNING_RUN, fault=False, recipe=twin, timeout_s=RUN_TIMEOUT_S)
     frozen = run_default_recipe(
-        tmp_path / "frozen", f"algorithm.num_steps={2 * WINDOW}", fault=True, recipe=QWEN3_TWIN, timeout_s=RUN_TIMEOUT_S
+        tmp_path / "frozen", f"algorithm.num_steps={2 * WINDOW}", fault=True, recipe=twin, timeout_s=RUN_TIMEOUT_S
     )
     print(
         f"gain with the adapter {gain(learned):+.3f}, with rollouts frozen on the initial adapter {gain(frozen):+.3f}"

@@ -29,10 +29,10 @@ def run_script(*args: str, timeout_s: float = 120, **env: str) -> subprocess.Com
     )
 
 
-def test_plan_only_compiles_the_raw_bridge_and_twin_plans_it_runs(tmp_path: Path) -> None:
+def test_plan_only_compiles_the_raw_bridge_and_twins_plans_it_runs(tmp_path: Path) -> None:
     done = run_script("--plan-only", WORK_DIR=str(tmp_path), MILES_RUN=str(Path(sys.executable).with_name("miles-run")))
     assert done.returncode == 0, done.stdout + done.stderr
-    for mode, lora_mode in (("raw", "raw"), ("bridge", "bridge"), ("twin", "bridge")):
+    for mode, lora_mode in (("raw", "raw"), ("bridge", "bridge"), ("twin", "bridge"), ("glm", "bridge")):
         (plan_file,) = (tmp_path / mode).rglob("plan.yaml")
         plan = yaml.safe_load(plan_file.read_text())
         assert (plan["trainer"]["backend"], plan["trainer"]["lora_mode"]) == ("megatron", lora_mode)

@@ -18,6 +18,7 @@ from miles_runner.plan.model import plan_to_dict
 TWINS = {
     "tiny_qwen3_30b_a3b_r3_session": "qwen3_30b_a3b_r3_session",
     "tiny_multi_lora_math": "multi_lora_math",
+    "tiny_glm52_lora_agentic": "glm52_lora_agentic",
 }
 
 CLUSTER = "the cluster: one node of two CPU devices, no GPU"
@@ -25,6 +26,7 @@ MODEL = "the model's size: the tiny MoE (same family and MoE routing, 2 layers)"
 ENGINE = (
     "the engine kind: the embedded engine is one process (TP 1, no CUDA devices) speaking the miles fork's protocol"
 )
+MULTI_NODE = CLUSTER + ": one node on loopback (GPU: servers on the nodes' addresses, engines over two nodes)"
 WORKLOAD = "the workload: a task, batch and lr the tiny model learns in 40 steps (the GPU one's data is on the cluster)"
 # Plan fields (dotted; a list's items by index, * for any) a twin may change, and why.
 REVIEWED: dict[str, str] = {
@@ -66,6 +68,9 @@ REVIEWED: dict[str, str] = {
     "adapters.*.num_step": WORKLOAD,
     "algorithm.global_batch_size": WORKLOAD,
     "multi_lora.max_adapter_global_batch_size": WORKLOAD + " (4 x the global batch, derived)",
+    "engines.*.node_ranks*": MULTI_NODE,
+    "engines.*.nodes": MULTI_NODE,
+    "*.launch.host": MULTI_NODE,
     "engines.2.*": CLUSTER + ": two engines on CPU devices (GPU: four)",
     "engines.3.*": CLUSTER + ": two engines on CPU devices (GPU: four)",
 }
@@ -82,6 +87,15 @@ REVIEWED_FLAGS = {
     "--max-n": ENGINE + " (its request limits; SGLang has none)",
     "--max-batch-size": ENGINE,
     "--worker-urls": CLUSTER + ": the router's workers are the twin's engines",
+    "--host": MULTI_NODE,
+    "--prometheus-host": MULTI_NODE,
+    "--router-url": MULTI_NODE,
+    "--dist-init-addr": MULTI_NODE,
+    "--nnodes": MULTI_NODE,
+    "--node-rank": MULTI_NODE,
+    "--dp-size": ENGINE + " (SGLang's DP attention)",
+    "--enable-dp-attention": ENGINE + " (SGLang's DP attention)",
+    "--quantization": ENGINE + " (FP8 rollout is SGLang's GPU kernels; the GPU check runs it)",
 }
 
 

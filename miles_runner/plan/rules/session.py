@@ -6,8 +6,9 @@ import math
 from collections.abc import Iterator
 
 from miles_runner.config.schema import MilesConfig
+from miles_runner.core.tiny_shapes import TINY_TOKENS
 from miles_runner.core.tito_families import TITO_FAMILIES
-from miles_runner.plan.derive import TINY_SCHEME, Derived
+from miles_runner.plan.derive import Derived, parse_tiny_model
 from miles_runner.plan.rules.base import PAUSE, Finding, rule
 
 SESSION = "session.version"
@@ -46,20 +47,24 @@ def tito_model_needs_session(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
         )
 
 
-TINY_TOKENIZER_FAMILY = "qwen3"  # the tiny models' tokenizer is ChatML (models/tiny_model.py)
-TINY_TOKENS = TITO_FAMILIES[TINY_TOKENIZER_FAMILY].required_tokens
+# The TITO family each tiny model's tokenizer renders (models/tiny_model.py): ChatML, or GLM-4.7's for tiny-glm5.
+TINY_FAMILIES = {"tiny-glm5": "glm47"}
 
 
 @rule("tito-model-fits-tokenizer")
 def tito_model_fits_tokenizer(cfg: MilesConfig, d: Derived) -> Iterator[Finding]:
     family = TITO_FAMILIES[cfg.session.tito_model]
-    tiny = cfg.model.path.startswith(TINY_SCHEME)
-    if cfg.session.version != "off" and tiny and not set(family.required_tokens) <= set(TINY_TOKENS):
+    tiny = parse_tiny_model(cfg.model.path)
+    if cfg.session.version == "off" or tiny is None:
+        return
+    have = TINY_TOKENS.get(tiny[0], ())
+    if not set(family.required_tokens) <= set(have):
+        fits = TINY_FAMILIES.get(tiny[0], "qwen3")
         yield Finding(
             ("session.tito_model", "model.path"),
             f"tito_model {family.name} renders with its chat template and the role tokens "
-            f"{list(family.required_tokens)}; the tiny model's tokenizer is ChatML and lacks them.",
-            f"session.tito_model={TINY_TOKENIZER_FAMILY}",
+            f"{list(family.required_tokens)}; {tiny[0]}'s tokenizer ({fits}'s template) lacks them.",
+            f"session.tito_model={fits}",
         )
 
 
