@@ -40,7 +40,13 @@ MB = 2**20
 TWINS = ("tiny_qwen3_30b_a3b_r3_session", "tiny_glm52_lora_agentic")
 MULTI_LORA_TWIN = "tiny_multi_lora_math"
 MULTI_LORA_ADAPTERS = ("count", "retry", "letters")
-NO_OFFLOAD = ("topology.offload_train=false", "topology.offload_rollout=false")
+# Both offloads off, and what only offload takes: the disk target and the engines' CPU weight backup.
+NO_OFFLOAD = (
+    "topology.offload_train=false",
+    "topology.offload_rollout=false",
+    "trainer.offload_target=cpu",
+    "adapters.base_cpu_backup=false",
+)
 ROUNDS = 2
 
 
