@@ -4,7 +4,8 @@
 # then the CPU twin of qwen3_30b_a3b_r3_session (`twin`: Bridge LoRA, router, session v1, in_place, R3, offload
 # both ways) and of glm52_lora_agentic (`glm`: GLM-5's MLA + DSA shape, Bridge LoRA on its MLA linears, session v1
 # with GLM-4.7's TITO, retract, R3, offload to disk, the CPU-offloaded optimizer) on that GPU with real SGLang, and
-# (`optimizer`) the test that reads Megatron's HybridDeviceOptimizer settings back. The multi_lora_math twin needs
+# (`optimizer`) the test that reads Megatron's HybridDeviceOptimizer settings back, and (`glm-fp8`) the glm twin
+# with glm52's FP8 rollout (SGLang's --quantization fp8), which the embedded engine does not run. The multi_lora_math twin needs
 # the sglang-miles fork (broadcast adapter sync), which is not on PyPI: it is not run here. Prints each run's
 # reward per step and the trainer/engine logprob
 # mismatch figures from its metrics.jsonl (and for the twin what offload costs and frees):
@@ -21,7 +22,7 @@
 #   --plan-only      compile the plans it would run (`miles-run ... --plan`) and stop; needs no GPU (MILES_RUN
 #                    names the miles-run to use, default .venv/bin/miles-run)
 #   --skip-install   use the GPU venv as it is
-#   --only MODE      run one of raw, bridge, twin, glm, optimizer
+#   --only MODE      run one of raw, bridge, twin, glm, glm-fp8, optimizer
 #   --summarize DIR  only print and check the figures of the run under DIR ($STEPS records; $PYTHON, or python3)
 # Environment: GPU_VENV (.venv-gpu), GPU_PY (python3.12: Megatron-Bridge needs 3.12), STEPS (3),
 # RUN_TIMEOUT_S (240 per run), MAX_LOGPROB_GAP (the plan's default), WORK_DIR (a fresh /tmp folder).
@@ -41,13 +42,14 @@ cd "$REPO_ROOT"
 PLAN_ONLY=0
 SKIP_INSTALL=0
 SUMMARIZE=""
-MODES=(raw bridge twin glm optimizer)
+MODES=(raw bridge twin glm glm-fp8 optimizer)
 while (($#)); do
     case "$1" in
         --plan-only) PLAN_ONLY=1 ;;
         --skip-install) SKIP_INSTALL=1 ;;
         --only)
-            [[ "${2:-}" =~ ^(raw|bridge|twin|glm|optimizer)$ ]] || { echo "--only takes raw, bridge, twin, glm or optimizer" >&2; exit 2; }
+            [[ "${2:-}" =~ ^(raw|bridge|twin|glm|glm-fp8|optimizer)$ ]] ||
+                { echo "--only takes raw, bridge, twin, glm, glm-fp8 or optimizer" >&2; exit 2; }
             MODES=("$2")
             shift
             ;;
@@ -75,11 +77,12 @@ export HF_HUB_OFFLINE=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 WANDB_MODE=offline T
 # with its one trainer rank and one engine on the one GPU, in this environment's Python (trainer.python empty).
 run_overrides() {
     local mode="$1" overrides
-    if [[ "$mode" == twin || "$mode" == glm ]]; then
+    if [[ "$mode" == twin || "$mode" == glm* ]]; then
         local recipe=tiny_qwen3_30b_a3b_r3_session
-        [[ "$mode" == glm ]] && recipe=tiny_glm52_lora_agentic
+        [[ "$mode" == glm* ]] && recipe=tiny_glm52_lora_agentic
         overrides=("+recipe=$recipe" engine=sglang cluster=gpu_1x "trainer.python=''"
             topology.actor_num_gpus_per_node=1 trainer.parallel.ep=1)
+        [[ "$mode" == glm-fp8 ]] && overrides+=(engine.fp8_rollout=true)
     else
         overrides=(+recipe=tiny_lora_agentic trainer=megatron "lora_mode=$mode" engine=sglang cluster=gpu_1x
             topology.offload_train=false topology.offload_rollout=false)

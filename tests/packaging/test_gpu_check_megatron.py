@@ -32,7 +32,8 @@ def run_script(*args: str, timeout_s: float = 120, **env: str) -> subprocess.Com
 def test_plan_only_compiles_the_raw_bridge_and_twins_plans_it_runs(tmp_path: Path) -> None:
     done = run_script("--plan-only", WORK_DIR=str(tmp_path), MILES_RUN=str(Path(sys.executable).with_name("miles-run")))
     assert done.returncode == 0, done.stdout + done.stderr
-    for mode, lora_mode in (("raw", "raw"), ("bridge", "bridge"), ("twin", "bridge"), ("glm", "bridge")):
+    modes = (("raw", "raw"), ("bridge", "bridge"), ("twin", "bridge"), ("glm", "bridge"), ("glm-fp8", "bridge"))
+    for mode, lora_mode in modes:
         (plan_file,) = (tmp_path / mode).rglob("plan.yaml")
         plan = yaml.safe_load(plan_file.read_text())
         assert (plan["trainer"]["backend"], plan["trainer"]["lora_mode"]) == ("megatron", lora_mode)
@@ -41,6 +42,8 @@ def test_plan_only_compiles_the_raw_bridge_and_twins_plans_it_runs(tmp_path: Pat
     twin = yaml.safe_load(next((tmp_path / "twin").rglob("plan.yaml")).read_text())
     assert twin["capabilities"]["offload_rollout"] and twin["capabilities"]["offload_train"]
     assert twin["trainer"]["host"] is None and twin["router"] and twin["session"]  # the driver holds the trainer
+    fp8 = yaml.safe_load(next((tmp_path / "glm-fp8").rglob("plan.yaml")).read_text())
+    assert "--quantization" in fp8["engines"][0]["launch"]["argv"]  # glm52's FP8 rollout, on SGLang only
 
 
 def write_metrics(folder: Path, records: list[dict]) -> None:
