@@ -28,9 +28,14 @@ class Progress:
         if self._live:
             self._live.update(self._render())
 
+    def _counted(self, step: int) -> str:
+        """ "step 3/40", or with no known total (total 0: a multi-LoRA run iterates until every adapter has taken its
+        own steps) "iteration 3"."""
+        return f"step {step}/{self.total}" if self.total else f"iteration {step}"
+
     def step_done(self, step: int, metrics: dict[str, Any]) -> None:
         self.step, self.phase = step + 1, "done"
-        line = f"step {step + 1}/{self.total} " + " ".join(
+        line = f"{self._counted(step + 1)} " + " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
         if self._live:
@@ -51,8 +56,8 @@ class Progress:
         table = Table.grid(padding=(0, 1))
         elapsed = time.monotonic() - self._start
         table.add_row(
-            ProgressBar(total=self.total, completed=self.step, width=40),
-            f"step {self.step}/{self.total}",
+            ProgressBar(total=self.total or None, completed=self.step, width=40),
+            self._counted(self.step),
             f"[{self.phase}]",
             f"{elapsed:.0f}s",
         )

@@ -26,7 +26,9 @@ class Tracker:
             self.metrics.truncate_after(start_step - 1)
             self.records = self.metrics.read()
         self.wandb = WandbLogger(plan.logger, run_dir, run_name=plan.name, config=plan_to_dict(plan))
-        self.progress = Progress(plan.batch.num_steps, mode=plan.logger.progress, start_step=start_step)
+        # A multi-LoRA run's iterations are not steps: each adapter takes its own num_step, over as many iterations.
+        total = 0 if plan.capabilities.multi_lora else plan.batch.num_steps
+        self.progress = Progress(total, mode=plan.logger.progress, start_step=start_step)
         self.plan, self.run_dir = plan, run_dir
 
     def phase(self, step: int, name: str) -> None:

@@ -3,6 +3,8 @@
 import io
 import json
 
+import pytest
+
 from miles_runner.tracking.metrics import MetricsFile
 from miles_runner.tracking.plots import plot_metrics, summary_table
 from miles_runner.tracking.progress import Progress
@@ -26,6 +28,16 @@ def test_progress_without_a_terminal_prints_plain_lines():
     progress.step_done(0, {"reward/mean": 0.25})
     progress.close()
     assert out.getvalue() == "step 1/3 reward/mean=0.25\n"
+
+
+@pytest.mark.parametrize("mode", ["plain", "rich"])
+def test_a_run_without_a_step_total_counts_iterations(mode):
+    """A multi-LoRA run iterates until each adapter has taken its own steps: no "61/60"."""
+    out = io.StringIO()
+    progress = Progress(0, mode=mode, stream=out)
+    progress.step_done(60, {"reward/mean": 0.5})
+    progress.close()
+    assert "iteration 61 reward/mean=0.5" in out.getvalue() and "/0" not in out.getvalue()
 
 
 def test_progress_on_a_terminal_draws_a_live_bar_and_keeps_step_lines():
