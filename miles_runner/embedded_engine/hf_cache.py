@@ -23,6 +23,15 @@ from miles_runner.embedded_engine.ragged_batch import LayerCache
 INDEXER_KEYS = "indexer_keys"
 
 
+def cache_argument(model: Any) -> str:
+    """The name the model's forward takes its cache under: ``cache`` in newer transformers, ``past_key_values`` in
+    5.12 (Megatron-Bridge's environment, whose tests load exported adapters into the engine). A cache passed under
+    the other name is ignored: the model would build one of its own and the rows' caches would stay empty."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def build_cache(config: Any, stacked: list[LayerCache] | None) -> Any:
     """A fresh cache for `config`'s model, holding `stacked` (None: empty, the first prefill of every row)."""
     from transformers import DynamicCache

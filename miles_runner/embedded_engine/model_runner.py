@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles_runner.embedded_engine.hf_cache import build_cache, read_cache
+from miles_runner.embedded_engine.hf_cache import build_cache, cache_argument, read_cache
 from miles_runner.embedded_engine.ragged_batch import LayerCache, RaggedLayout
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ModelRunner:
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
         self.model = _load_model(model_path).eval()
+        self.cache_argument = cache_argument(self.model)
         text_config = self.config.get_text_config()
         self.num_layers: int = text_config.num_hidden_layers
         self.vocab_size: int = text_config.vocab_size
@@ -144,13 +145,13 @@ class ModelRunner:
     def _forward_group(self, rows: list[RowInput], pad_id: int) -> list[RowOutput]:
         layout = RaggedLayout([r.cache_len for r in rows], [len(r.new_tokens) for r in rows])
         cache = build_cache(self.config, layout.stack_cache([r.cache for r in rows]))
-        kwargs = dict(
-            input_ids=layout.input_ids([r.new_tokens for r in rows], pad_id),
-            position_ids=layout.position_ids(),
-            attention_mask=layout.attention_mask(),
-            cache=cache,
-            use_cache=True,
-        )
+        kwargs = {
+            "input_ids": layout.input_ids([r.new_tokens for r in rows], pad_id),
+            "position_ids": layout.position_ids(),
+            "attention_mask": layout.attention_mask(),
+            self.cache_argument: cache,
+            "use_cache": True,
+        }
         logits = self._call_model([r.adapter for r in rows], kwargs).logits
         routing = self._routing_for_batch(len(rows), layout.new_width)
         layer_states = read_cache(cache)
