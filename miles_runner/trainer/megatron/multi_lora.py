@@ -31,13 +31,9 @@ import torch.distributed as dist
 from miles_runner.core.adapters import AdapterSpec
 from miles_runner.plan.model import Plan
 from miles_runner.trainer.megatron import lora_export, parallel, raw_lora
-from miles_runner.trainer.megatron.cpu_compat import apply_cpu_adaptations
-from miles_runner.trainer.megatron.model import routing_layout
-from miles_runner.trainer.megatron.packing import CausalLMForLoss
-from miles_runner.trainer.megatron.trainer import frozen_model, gathered, trainer_device
+from miles_runner.trainer.megatron.trainer import frozen_model, gathered, trainer_device, trainer_parts
 from miles_runner.trainer.micro_batches import agreed_micro_batches, row_lengths
 from miles_runner.trainer.multi_lora import MultiLoRASettings, SlotTrainer, _Slot
-from miles_runner.trainer.policy_trainer import DataParallel
 
 
 class MegatronMultiLoRATrainer(SlotTrainer):
@@ -52,23 +48,13 @@ class MegatronMultiLoRATrainer(SlotTrainer):
         qkv_format: str = "thd",
         device: torch.device | None = None,
     ) -> None:
-        apply_cpu_adaptations()
         parallel.initialize(layout)
         self.layout, self.model_path = layout, str(model_path)
         hf_config = json.loads((Path(model_path) / "config.json").read_text())
         model = self._build_model(hf_config, settings)
         self.device = device or torch.device("cpu")
         model.to(self.device)
-        super().__init__(
-            settings,
-            model,
-            net=CausalLMForLoss(model, qkv_format=qkv_format),
-            pad_id=int(hf_config.get("pad_token_id") or 0),
-            routing=routing_layout(model) if settings.routing_replay else None,
-            dp=DataParallel(
-                parallel.data_parallel_rank(), parallel.data_parallel_size(), parallel.data_parallel_group()
-            ),
-        )
+        super().__init__(settings, model, **trainer_parts(model, hf_config, settings.routing_replay, qkv_format))
 
     def _build_model(self, hf_config: dict, settings: MultiLoRASettings) -> torch.nn.Module:
         """The frozen megatron model the slots go on (bridge.BridgeMultiLoRATrainer: Bridge's)."""

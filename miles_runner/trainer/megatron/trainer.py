@@ -24,7 +24,6 @@ import torch.distributed as dist
 from miles_runner.plan.model import Plan
 from miles_runner.trainer.megatron import lora_export, parallel, raw_lora
 from miles_runner.trainer.megatron.convert import load_hf_checkpoint
-from miles_runner.trainer.megatron.cpu_compat import apply_cpu_adaptations
 from miles_runner.trainer.megatron.model import build_model, routing_layout
 from miles_runner.trainer.megatron.packing import CausalLMForLoss
 from miles_runner.trainer.policy_trainer import DataParallel, PolicyTrainer, TrainerSettings
@@ -44,22 +43,12 @@ class MegatronTrainer(PolicyTrainer):
         qkv_format: str = "thd",
         device: torch.device | None = None,
     ) -> None:
-        apply_cpu_adaptations()
         parallel.initialize(layout)
         self.layout, self.model_path = layout, str(model_path)
         hf_config = json.loads((Path(model_path) / "config.json").read_text())
         model = self._build_model(hf_config, settings)
         model.to(device or torch.device("cpu"))
-        super().__init__(
-            settings,
-            model,
-            net=CausalLMForLoss(model, qkv_format=qkv_format),
-            pad_id=int(hf_config.get("pad_token_id") or 0),
-            routing=routing_layout(model) if settings.routing_replay else None,
-            dp=DataParallel(
-                parallel.data_parallel_rank(), parallel.data_parallel_size(), parallel.data_parallel_group()
-            ),
-        )
+        super().__init__(settings, model, **trainer_parts(model, hf_config, settings.routing_replay, qkv_format))
         if settings.adapter.init_path:
             self.load_adapter_folder(Path(settings.adapter.init_path))
 
@@ -149,6 +138,19 @@ class MegatronTrainer(PolicyTrainer):
         self.optimizer.load_state_dict(state["optimizer_by_rank"][self.rank])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
+
+
+def trainer_parts(model: torch.nn.Module, hf_config: dict, routing_replay: bool, qkv_format: str) -> dict[str, Any]:
+    """What a Megatron trainer gives its base class besides the model (PolicyTrainer and SlotTrainer take the same):
+    the packing wrapper the loss calls, the pad id, the routing layout under R3, the data-parallel ranks."""
+    return {
+        "net": CausalLMForLoss(model, qkv_format=qkv_format),
+        "pad_id": int(hf_config.get("pad_token_id") or 0),
+        "routing": routing_layout(model) if routing_replay else None,
+        "dp": DataParallel(
+            parallel.data_parallel_rank(), parallel.data_parallel_size(), parallel.data_parallel_group()
+        ),
+    }
 
 
 def frozen_model(
