@@ -78,10 +78,12 @@ def summary(outcome: Deployment | BaseException) -> str:
 def test_two_runs_on_the_same_ports_one_runs_and_the_other_fails_cleanly_every_time(
     tmp_path: Path, shared: str
 ) -> None:
-    plans = plans_sharing(shared)
-    shared_ports = set(addresses(plans[0])) & set(addresses(plans[1]))
-    LocalExecutor(plans[0], tmp_path / "prepare").prepare_model()  # built once, not by both runs at once
+    LocalExecutor(plans_sharing(shared)[0], tmp_path / "prepare").prepare_model()  # built once, not by both runs
     for round_ in range(ROUNDS):
+        # Ports chosen afresh each round, right before the start: chosen once, a port free at the first round may be
+        # taken by another test's server (the suite runs in parallel workers) by a later one.
+        plans = plans_sharing(shared)
+        shared_ports = set(addresses(plans[0])) & set(addresses(plans[1]))
         before = set(running_processes())
         runs = [tmp_path / f"round{round_}-{side}" for side in "ab"]
         executors = [LocalExecutor(plan, run) for plan, run in zip(plans, runs, strict=True)]
